@@ -1,0 +1,163 @@
+"""GRPO objective: group advantages, the clipped surrogate, Gaussian KL terms, and the adaptive KL weight.
+
+Pure tensor math with no I/O and no global state (``shared/spec/sage-grpo.md`` sections 3 and 4).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+ADVANTAGE_EPS = 1e-8
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """Per-sample advantages; ``valid`` is False for dropped samples and samples of degenerate groups."""
+
+    values: torch.Tensor
+    valid: torch.Tensor
+
+
+def group_advantages(
+    rewards: torch.Tensor | list[float | None],
+    group_ids: torch.Tensor | list[int],
+    *,
+    global_std: bool = False,
+    clip: float = 5.0,
+) -> Advantages:
+    """A_i = (r_i - mean(r_group)) / (std(r_group) + 1e-8), clipped to [-clip, clip].
+
+    A NaN or None reward means "no score": that sample is dropped from its group, never counted as 0. A group with
+    fewer than two scored samples has no baseline and contributes nothing. ``global_std`` divides by the std of all
+    scored rewards instead of the group's (Dr. GRPO-style variance normalisation across prompts).
+    """
+    rewards = torch.tensor([float("nan") if r is None else float(r) for r in rewards], dtype=torch.float64) \
+        if isinstance(rewards, list) else rewards.to(torch.float64)
+    group_ids = torch.as_tensor(group_ids)
+    if rewards.shape != group_ids.shape or rewards.ndim != 1:
+        raise ValueError(f"rewards {list(rewards.shape)} and group ids {list(group_ids.shape)} must be equal 1-D shapes")
+    scored = torch.isfinite(rewards)
+    values = torch.zeros_like(rewards)
+    valid = torch.zeros_like(scored)
+    # Population std (unbiased=False) matches the reference and stays defined for groups of two.
+    all_scored_std = rewards[scored].std(unbiased=False) if scored.sum() > 1 else torch.tensor(0.0, dtype=torch.float64)
+    for group in torch.unique(group_ids):
+        members = (group_ids == group) & scored
+        if members.sum() < 2:
+            continue
+        group_rewards = rewards[members]
+        scale = all_scored_std if global_std else group_rewards.std(unbiased=False)
+        values[members] = (group_rewards - group_rewards.mean()) / (scale + ADVANTAGE_EPS)
+        valid[members] = True
+    return Advantages(values=values.clamp(-clip, clip).to(torch.float32), valid=valid)
+
+
+@dataclass(frozen=True)
+class SurrogateTerms:
+    loss: torch.Tensor          # per element, already weighted by the equalizer
+    ratio: torch.Tensor
+    clipped: torch.Tensor       # bool: the clipped branch was active
+
+
+def clipped_surrogate(
+    log_prob_new: torch.Tensor,
+    log_prob_old: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_range: float,
+    weights: torch.Tensor | float = 1.0,
+) -> SurrogateTerms:
+    """PPO's clipped surrogate max(-A r, -A clip(r, 1-eps, 1+eps)), times the per-timestep weight S_t."""
+    ratio = torch.exp(log_prob_new.float() - log_prob_old.float())
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    loss = torch.maximum(unclipped, clipped)
+    return SurrogateTerms(loss=loss * weights, ratio=ratio, clipped=clipped > unclipped)
+
+
+def gaussian_mean_kl(mean: torch.Tensor, reference_mean: torch.Tensor, std: torch.Tensor | float) -> torch.Tensor:
+    """KL between Gaussians sharing variance std^2: mean over non-batch elements of ||dmu||^2, over 2 std^2."""
+    squared = (mean.float() - reference_mean.float()).pow(2).flatten(1).mean(dim=1)
+    std = torch.as_tensor(std, dtype=squared.dtype, device=squared.device).flatten()
+    return squared / (2.0 * std**2)
+
+
+def stepwise_kl(log_prob_old: torch.Tensor, log_prob_new: torch.Tensor) -> torch.Tensor:
+    """Estimate of KL(pi_old || pi_theta) from the rollout's own samples: mean(logp_old - logp_new)."""
+    return (log_prob_old.float() - log_prob_new.float()).mean()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Adaptive KL weight
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class KLFeedback(str, Enum):
+    """Which way the controller moves lambda_KL when the measured KL leaves the band around the target.
+
+    ``toward_target`` (default) tightens the constraint when KL is high (x1.1) and relaxes it when low (x0.9), holding
+    KL near the target as the paper says it intends. ``as_written`` is the paper's appendix read literally (x0.9 when
+    KL is high, x1.1 when low), kept so its results can be reproduced.
+    """
+
+    TOWARD_TARGET = "toward_target"
+    AS_WRITTEN = "as_written"
+
+
+class AdaptiveKLController:
+    """lambda_KL: linear warm-up from ``initial`` to ``maximum`` over ``warmup_steps`` updates, then feedback.
+
+    After warm-up, each update compares D (the mean of the last ``history`` measured KL values) with the target and
+    scales lambda by 1.1 or 0.9 when D leaves [0.5, 1.5] x target; lambda always stays in [initial, maximum].
+    """
+
+    def __init__(
+        self,
+        *,
+        initial: float = 1e-7,
+        maximum: float = 1e-5,
+        warmup_steps: int = 100,
+        history: int = 10,
+        target: float = 1e-5,
+        feedback: KLFeedback | str = KLFeedback.TOWARD_TARGET,
+        up: float = 1.1,
+        down: float = 0.9,
+    ):
+        if not 0 < initial <= maximum:
+            raise ValueError(f"need 0 < initial <= maximum, got {initial}, {maximum}")
+        if warmup_steps < 0 or history < 1:
+            raise ValueError("warmup_steps must be >= 0 and history >= 1")
+        self.initial, self.maximum, self.target = initial, maximum, target
+        self.warmup_steps, self.up, self.down = warmup_steps, up, down
+        self.feedback = KLFeedback(feedback)
+        self.steps = 0
+        self.value = initial if warmup_steps > 0 else maximum
+        self.measurements: deque[float] = deque(maxlen=history)
+
+    def update(self, measured_kl: float) -> float:
+        """Record one optimizer step's KL and return the weight to use for the next step."""
+        self.measurements.append(float(measured_kl))
+        self.steps += 1
+        if self.steps <= self.warmup_steps:
+            self.value = self.initial + (self.maximum - self.initial) * self.steps / self.warmup_steps
+            return self.value
+        recent = sum(self.measurements) / len(self.measurements)
+        high, low = recent > 1.5 * self.target, recent < 0.5 * self.target
+        if self.feedback is KLFeedback.TOWARD_TARGET:
+            factor = self.up if high else self.down if low else 1.0
+        else:
+            factor = self.down if high else self.up if low else 1.0
+        self.value = min(max(self.value * factor, self.initial), self.maximum)
+        return self.value
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "value": self.value, "measurements": list(self.measurements)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state["steps"])
+        self.value = float(state["value"])
+        self.measurements.clear()
+        self.measurements.extend(float(m) for m in state["measurements"])
