@@ -1,0 +1,77 @@
+"""The one interface the stages use to talk to a text-to-video model; nothing model-specific lives outside it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PromptEmbeddings:
+    """Text conditioning for a batch of prompts. Tensors are batch-first; ``negative`` holds the CFG branch or None.
+
+    Each model family stores what its transformer needs in ``tensors`` (for HunyuanVideo 1.5: the Qwen2.5-VL and
+    ByT5 embeddings and their masks); stages only select, move and concatenate them.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    negative: dict[str, torch.Tensor] | None = None
+
+    def select(self, index: torch.Tensor | list[int]) -> "PromptEmbeddings":
+        index = torch.as_tensor(index, dtype=torch.long)
+        pick = lambda group: None if group is None else {k: v[index.to(v.device)] for k, v in group.items()}
+        return PromptEmbeddings(pick(self.tensors), pick(self.negative))
+
+    def to(self, device=None, dtype=None) -> "PromptEmbeddings":
+        def move(group):
+            if group is None:
+                return None
+            return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else None) for k, v in group.items()}
+
+        return PromptEmbeddings(move(self.tensors), move(self.negative))
+
+
+class VideoModelAdapter(ABC):
+    """What rollout, update and evaluation need from a video diffusion model.
+
+    ``transformer`` is the trainable module (possibly wrapped by peft or partitioned by DeepSpeed ZeRO-3: calling it
+    gathers parameters). ``predict_velocity`` accepts another module with the same signature, which is how the
+    KL anchor is evaluated on exactly the policy's conditioning and guidance.
+    """
+
+    transformer: torch.nn.Module
+    guidance_scale: float = 1.0
+
+    @property
+    @abstractmethod
+    def encoder_identity(self) -> str:
+        """A stable string naming the text encoders and their weights: half of the embedding-cache key."""
+
+    @abstractmethod
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeddings:
+        """Embeddings for ``prompts`` (and for the negative prompt when guidance_scale > 1)."""
+
+    @abstractmethod
+    def latent_shape(self) -> tuple[int, ...]:
+        """Shape of one sample's latents without the batch dimension: [C, F, H, W]."""
+
+    @abstractmethod
+    def predict_velocity(
+        self,
+        latents: torch.Tensor,
+        sigma: torch.Tensor,
+        embeddings: PromptEmbeddings,
+        *,
+        module: torch.nn.Module | None = None,
+    ) -> torch.Tensor:
+        """Velocity v at noise level ``sigma`` ([B]), with CFG combined as the model's diffusers pipeline does."""
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Final latents to uint8 videos [B, F, H, W, 3]."""
+
+    @property
+    def fps(self) -> int:
+        return 24
