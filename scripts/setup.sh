@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Creates .venv at the repo root and installs sage-grpo with its dev extra. Idempotent: a second run only
+# re-checks. CPU torch comes first (from the local wheel cache when present) unless a CUDA build is already
+# installed, so pip never pulls a multi-GB CUDA build as a dependency of something else.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  "${PIP[@]}" install torch==2.13.0
+fi
+stamp=.venv/.sage-grpo-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  "${PIP[@]}" install -e ".[dev]"
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,33 @@
+"""Which KL terms each strategy uses and when the moving anchor refreshes."""
+
+import pytest
+
+from pipeline.trust_region import KLStrategy, TrustRegion
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    "strategy,position,stepwise,moves",
+    [("none", False, False, False), ("fixed", True, False, False), ("step_wise", False, True, False),
+     ("moving", True, False, True), ("dual", True, True, True)],
+)
+def test_strategy_terms(strategy, position, stepwise, moves):
+    region = TrustRegion(strategy=strategy)
+    assert (region.uses_position_kl, region.uses_stepwise_kl, region.anchor_moves) == (position, stepwise, moves)
+    assert region.total_kl(2.0, 3.0) == pytest.approx(2.0 * position + 0.1 * 3.0 * stepwise)
+
+
+def test_refresh_every_n_updates_even_when_n_does_not_divide_the_run():
+    region = TrustRegion(strategy=KLStrategy.DUAL, anchor_interval=3)
+    assert [u for u in range(1, 11) if region.refresh_due(u)] == [3, 6, 9]
+
+
+def test_fixed_anchor_never_refreshes():
+    assert not any(TrustRegion(strategy="fixed", anchor_interval=1).refresh_due(u) for u in range(1, 20))
+
+
+@pytest.mark.parametrize("bad", [dict(anchor_interval=0), dict(strategy="sometimes"), dict(stepwise_weight=-1)])
+def test_invalid_trust_region_is_rejected(bad):
+    with pytest.raises(ValueError):
+        TrustRegion(**bad)
