@@ -1,0 +1,84 @@
+"""Process-group set-up and small collectives. Rank, world size and local rank come from the environment only
+(torchrun, the deepspeed launcher and Slurm's srun via torchrun all set RANK / WORLD_SIZE / LOCAL_RANK)."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def init(timeout_minutes: float = 30.0) -> None:
+    """Start the process group DeepSpeed uses (NCCL on GPUs, gloo on CPU), with a collective timeout so a hung
+    rank fails the job in bounded time instead of hanging it. Single-process runs get a world of one as well,
+    so every code path is the same."""
+    if dist.is_initialized():
+        return
+    import deepspeed
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank())
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
+    """Average scalar metrics over ranks (one collective for the whole dict)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not values:
+        return dict(values)
+    keys = sorted(values)
+    packed = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device())
+    dist.all_reduce(packed)
+    packed /= dist.get_world_size()
+    return dict(zip(keys, packed.tolist()))
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on at least one: how ranks agree on skip and stop decisions."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    packed = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device())
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+    return bool(packed.item())
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

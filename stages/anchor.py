@@ -1,0 +1,110 @@
+"""The KL anchor: a frozen copy of the trainable weights, held as each rank's own partitions.
+
+Recipe: ``Anchor.snapshot(module)`` copies the trainable parameters' local shards (the adapter weights under LoRA,
+every weight under full fine-tuning); ``with anchor.swapped_in(): module(...)`` evaluates the anchor by swapping those
+values into the policy module in place and back; ``anchor.refresh()`` re-copies the shards from the policy.
+
+Why shards and swapping: under ZeRO-3 each rank owns 1/world of every parameter (``param.ds_tensor``) and forward
+all-gathers them, so swapping the local shards makes the next forward run the anchor without ever gathering a whole
+copy on one rank, and a refresh is a local copy with no communication. Under LoRA the frozen base weights are shared
+and only adapter values are swapped: there is no second model to load into, so LoRA keys can never silently fail to
+load (the reference code's non-strict load into a plain copy made its anchor a no-op).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+def _is_zero3(param: torch.nn.Parameter) -> bool:
+    return hasattr(param, "ds_tensor")
+
+
+def _release_if_gathered(param: torch.nn.Parameter) -> None:
+    """Drop a ZeRO-3 parameter's gathered copy, so the next forward gathers from the (swapped) shards."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    if not getattr(param, "ds_persist", False) and param.ds_status == ZeroParamStatus.AVAILABLE:
+        param.partition()
+
+
+def local_views(param: torch.nn.Parameter) -> list[torch.Tensor]:
+    """The tensors that hold this rank's values of ``param``: its shard under ZeRO-3, else the whole tensor.
+
+    ZeRO-3 keeps small "persistent" parameters gathered for speed; their full copy is what forward reads, so it is
+    swapped along with the shard.
+    """
+    if not _is_zero3(param):
+        return [param.data]
+    views = [param.ds_tensor.data]
+    if getattr(param, "ds_persist", False):
+        views.append(param.data)
+    return views
+
+
+class Anchor:
+    """A snapshot of the trainable parameters' local values, optionally kept in host memory (``offload``)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], offload: bool = False):
+        if not params:
+            raise ValueError("the anchor needs at least one trainable parameter")
+        self.params = params
+        self.offload = offload
+        self.refreshes = 0
+        self._saved = [[self._store(view) for view in local_views(p)] for p in params]
+
+    @classmethod
+    def snapshot(cls, module: torch.nn.Module, offload: bool = False) -> "Anchor":
+        return cls([p for p in module.parameters() if p.requires_grad], offload=offload)
+
+    def _store(self, view: torch.Tensor) -> torch.Tensor:
+        if self.offload and view.device.type != "cpu":
+            return view.detach().to("cpu", copy=True).pin_memory()
+        return view.detach().clone()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the policy's current local values into the anchor (no communication)."""
+        for param, saved in zip(self.params, self._saved):
+            for target, view in zip(saved, local_views(param)):
+                target.copy_(view, non_blocking=True)
+        self.refreshes += 1
+
+    @torch.no_grad()
+    def _swap(self) -> None:
+        for param, saved in zip(self.params, self._saved):
+            if _is_zero3(param):
+                _release_if_gathered(param)
+            for stored, view in zip(saved, local_views(param)):
+                held = view.clone()
+                view.copy_(stored)
+                stored.copy_(held)
+
+    @contextmanager
+    def swapped_in(self):
+        """Within the block the module computes with the anchor's weights; the policy's are restored on exit.
+
+        Use it for no-grad forwards only: a backward outside the block would otherwise re-gather the anchor values.
+        """
+        self._swap()
+        try:
+            yield
+        finally:
+            self._swap()
+
+    def state_dict(self) -> dict:
+        """This rank's anchor values (its shards), for checkpoints: each rank saves and loads its own."""
+        return {"refreshes": self.refreshes, "values": [[t.cpu() for t in saved] for saved in self._saved]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["values"]) != len(self._saved):
+            raise ValueError("anchor checkpoint does not match the trainable parameters")
+        for saved, values in zip(self._saved, state["values"]):
+            for target, value in zip(saved, values):
+                if target.shape != value.shape:
+                    raise ValueError("anchor checkpoint shard shapes differ (was it saved with another world size?)")
+                target.copy_(value)
+        self.refreshes = int(state["refreshes"])

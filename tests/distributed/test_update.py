@@ -1,0 +1,84 @@
+"""The GRPO update under real DeepSpeed ZeRO-3 with gloo on CPU: 1 and 2 processes launched by torchrun."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+WORKER = Path(__file__).with_name("update_worker.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(world: int, out: Path, *extra: str) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--nnodes=1",
+               f"--master-port={_free_port()}", str(WORKER), "--out", str(out), *extra]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return [json.loads((out / f"report_rank{r}_world{world}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module", params=["lora", "full"])
+def scenario(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    flags = ["--lora"] if request.param == "lora" else []
+    return request.param, out, {world: _launch(world, out, *flags) for world in (1, 2)}
+
+
+def test_two_ranks_equal_one_process(scenario):
+    _, out, _ = scenario
+    single = load_file(out / "after_first_update_world1.safetensors")
+    sharded = load_file(out / "after_first_update_world2.safetensors")
+    assert single.keys() == sharded.keys() and single
+    for name in single:
+        torch.testing.assert_close(sharded[name], single[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_first_update_is_on_policy(scenario):
+    _, _, reports = scenario
+    for report in reports[2]:
+        first = report["history"][0]
+        assert first["ratio_min"] == 1.0 and first["ratio_max"] == 1.0
+        assert first["clip_fraction"] == 0.0
+        assert first["position_kl"] == 0.0  # the anchor starts as the initial policy
+
+
+def test_anchor_refreshes_every_n_and_position_kl_resets(scenario):
+    _, _, reports = scenario
+    history = reports[2][0]["history"]
+    # anchor_interval = 2: refreshed after updates 2 and 4 (update 4 is skipped, so after update 5's count of 4).
+    assert [h["anchor_refreshes"] for h in history[:3]] == [0, 1, 1]
+    assert history[1]["position_kl"] > 0          # policy moved once away from the anchor
+    assert history[2]["position_kl"] == 0.0       # measured right after the refresh
+
+
+def test_nan_loss_on_one_rank_skips_the_step_on_all_ranks(scenario):
+    _, _, reports = scenario
+    for report in reports[2]:
+        nan_update = report["history"][3]
+        assert nan_update["skipped"] == 1.0 and nan_update["weights_unchanged"] == 1.0
+        assert report["history"][4]["skipped"] == 0.0
+        assert report["history"][4]["updates_done"] == 4
+
+
+def test_lora_trains_only_the_adapter(scenario):
+    kind, _, reports = scenario
+    for report in reports[1] + reports[2]:
+        assert report["trainable_changed"]
+        if kind == "lora":
+            assert report["frozen_count"] > 0 and report["frozen_identical"]
