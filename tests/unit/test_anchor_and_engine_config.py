@@ -1,0 +1,83 @@
+"""The anchor's swap/refresh logic on a plain module, and how DeepSpeed's "auto" fields are filled."""
+
+import json
+
+import pytest
+import torch
+
+from stages.anchor import Anchor
+from stages.update import accumulation_steps, deepspeed_config
+
+pytestmark = pytest.mark.unit
+
+
+def _module():
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    module[0].requires_grad_(False)  # a frozen "base" layer, as under LoRA
+    return module
+
+
+def test_anchor_swaps_in_its_weights_and_restores_the_policy():
+    module = _module()
+    x = torch.randn(5, 3)
+    anchor = Anchor.snapshot(module)
+    initial_output = module(x).detach()
+    with torch.no_grad():
+        module[1].weight.add_(1.0)
+    moved_output = module(x).detach()
+    with anchor.swapped_in():
+        torch.testing.assert_close(module(x), initial_output, rtol=0, atol=0)
+    torch.testing.assert_close(module(x).detach(), moved_output, rtol=0, atol=0)
+
+
+def test_anchor_covers_only_trainable_parameters_and_refresh_copies_them():
+    module = _module()
+    anchor = Anchor.snapshot(module)
+    assert len(anchor.params) == 2  # weight and bias of the trainable layer only
+    with torch.no_grad():
+        module[1].bias.add_(2.0)
+    anchor.refresh()
+    refreshed_bias = module[1].bias.detach().clone()
+    with torch.no_grad():
+        module[1].bias.add_(5.0)
+    with anchor.swapped_in():
+        assert torch.equal(module[1].bias, refreshed_bias)
+    state = anchor.state_dict()
+    restored = Anchor.snapshot(_module())
+    restored.load_state_dict(state)
+    assert restored.refreshes == 1
+    assert torch.equal(restored._saved[1][0], refreshed_bias)
+
+
+def test_anchor_rejects_a_checkpoint_of_other_shapes():
+    anchor = Anchor.snapshot(_module())
+    with pytest.raises(ValueError, match="shapes"):
+        anchor.load_state_dict({"refreshes": 0, "values": [[torch.zeros(1)], [torch.zeros(1)]]})
+
+
+def test_auto_fields_are_filled_from_the_run_config():
+    config = deepspeed_config("zero3", micro_batch_size=2, accumulation_steps=19, max_grad_norm=0.5, bf16=True)
+    assert config["train_micro_batch_size_per_gpu"] == 2
+    assert config["gradient_accumulation_steps"] == 19
+    assert config["train_batch_size"] == 38
+    assert config["gradient_clipping"] == 0.5 and config["bf16"]["enabled"] is True
+    assert config["zero_optimization"]["stage"] == 3
+
+
+def test_a_json_that_disagrees_with_the_run_config_is_rejected(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"gradient_clipping": 2.0, "zero_optimization": {"stage": 3}}))
+    with pytest.raises(ValueError, match="gradient_clipping"):
+        deepspeed_config(str(path), micro_batch_size=1, accumulation_steps=1, max_grad_norm=1.0, bf16=False)
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3", "zero3_offload"])
+def test_every_shipped_deepspeed_config_loads(name):
+    assert deepspeed_config(name, micro_batch_size=1, accumulation_steps=4, max_grad_norm=1.0, bf16=False)
+
+
+def test_accumulation_counts_micro_steps_per_update():
+    assert accumulation_steps(8, 2, 19) == 76
+    with pytest.raises(ValueError):
+        accumulation_steps(3, 2, 19)
