@@ -1,0 +1,287 @@
+"""CheckpointStore on a local directory (file:// root): commit protocol, verification, resume choice, retention."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import pickle
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+from safetensors.torch import save_file
+
+from pipeline.errors import UserError
+from pipeline.storage import (
+    MANIFEST_NAME,
+    CheckpointError,
+    CheckpointStore,
+    CheckpointConfig,
+    load_tensors,
+    load_torch,
+)
+
+pytestmark = pytest.mark.unit
+
+# What a DeepSpeed ZeRO checkpoint of two ranks plus the pipeline's own files look like in a staging directory.
+STAGED_FILES = {
+    "engine/mp_rank_00_model_states.pt": 3000,
+    "engine/zero_pp_rank_0_mp_rank_00_optim_states.pt": 5000,
+    "engine/zero_pp_rank_1_mp_rank_00_optim_states.pt": 5000,
+    "adapter/adapter_model.safetensors": 2000,
+    "pipeline_state.json": 100,
+}
+SHARD = "engine/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+
+def stage_checkpoint(directory: Path, seed: int) -> Path:
+    generator = random.Random(seed)
+    for relpath, size in STAGED_FILES.items():
+        (directory / relpath).parent.mkdir(parents=True, exist_ok=True)
+        (directory / relpath).write_bytes(generator.randbytes(size))
+    return directory
+
+
+def commit_step(store: CheckpointStore, tmp_path: Path, step: int, **extra) -> Path:
+    staged = stage_checkpoint(tmp_path / f"staging-{step}", seed=step)
+    store.commit(staged, step, world_size=2, config_hash="cfg-abc", extra=extra)
+    return staged
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    return tmp_path / "check points"  # a space, so that file:// URIs carry percent-escapes
+
+
+@pytest.fixture
+def store(root) -> CheckpointStore:
+    return CheckpointConfig(uri=root.as_uri()).build()
+
+
+def same_tree(left: Path, right: Path) -> bool:
+    files = lambda base: {p.relative_to(base).as_posix(): p.read_bytes() for p in base.rglob("*") if p.is_file()}
+    return files(left) == files(right)
+
+
+@pytest.mark.parametrize("root_form", ["file_uri", "plain_path"])
+def test_commit_then_download_round_trip(tmp_path, root, root_form):
+    store = CheckpointConfig(uri=root.as_uri() if root_form == "file_uri" else str(root)).build()
+    staged = commit_step(store, tmp_path, 5, eval_reward=0.25)
+
+    manifest = json.loads((root / "step-5" / MANIFEST_NAME).read_text())
+    assert (manifest["step"], manifest["world_size"], manifest["config_hash"]) == (5, 2, "cfg-abc")
+    assert manifest["extra"] == {"eval_reward": 0.25} and manifest["created"]
+    assert {entry["path"]: (entry["size"], entry["sha256"]) for entry in manifest["files"]} == {
+        relpath: ((staged / relpath).stat().st_size, hashlib.sha256((staged / relpath).read_bytes()).hexdigest())
+        for relpath in STAGED_FILES
+    }
+    assert (root / "latest").read_text() == "5\n"
+    assert store.list_steps() == [5] and store.latest_step() == 5
+    store.verify(5)
+    store.download(5, tmp_path / "restored")
+    assert same_tree(staged, tmp_path / "restored")
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+CORRUPTIONS = {
+    "truncated_shard": (SHARD, truncate),
+    "flipped_byte": (SHARD, flip_byte),
+    "zero_byte_file": ("adapter/adapter_model.safetensors", empty),
+    "missing_manifest": (MANIFEST_NAME, Path.unlink),
+}
+
+
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+def test_corruption_is_an_error_when_requested_and_skipped_by_auto(tmp_path, root, store, corruption, caplog):
+    commit_step(store, tmp_path, 1)
+    commit_step(store, tmp_path, 2)
+    relpath, corrupt = CORRUPTIONS[corruption]
+    corrupt(root / "step-2" / relpath)
+
+    with pytest.raises(CheckpointError):
+        store.resolve(2)
+    with pytest.raises(CheckpointError):
+        store.download(2, tmp_path / "restored")
+    with caplog.at_level(logging.INFO, logger="pipeline.storage"):
+        assert store.resolve("auto") == 1
+    assert "step-1" in caplog.text
+
+
+def test_auto_is_none_without_a_verified_checkpoint(tmp_path, root, store):
+    assert store.resolve("auto") is None
+    commit_step(store, tmp_path, 1)
+    flip_byte(root / "step-1" / SHARD)
+    assert store.resolve("auto") is None
+
+
+def test_auto_ignores_steps_after_the_latest_pointer(tmp_path, store):
+    commit_step(store, tmp_path, 1)
+    commit_step(store, tmp_path, 2)
+    store.backend.write_bytes("latest", b"1\n")  # step 2: abandoned branch, or its pointer write was lost
+    assert store.resolve("auto") == 1
+    assert store.resolve(2) == 2  # still there for whoever asks for it by name
+
+
+def upload_first_file_then_crash(store, monkeypatch):
+    upload_files = store.backend.upload_files
+
+    def crashing_upload(files):
+        upload_files(files[:1])
+        raise RuntimeError("simulated crash mid-commit")
+
+    monkeypatch.setattr(store.backend, "upload_files", crashing_upload)
+
+
+def crash_writing_manifest(store, monkeypatch):
+    write_bytes = store.backend.write_bytes
+
+    def crashing_write(key, data):
+        if key.endswith(MANIFEST_NAME):
+            raise RuntimeError("simulated crash before the manifest")
+        write_bytes(key, data)
+
+    monkeypatch.setattr(store.backend, "write_bytes", crashing_write)
+
+
+@pytest.mark.parametrize("crash", [upload_first_file_then_crash, crash_writing_manifest])
+def test_crash_mid_commit_leaves_latest_and_commits_nothing(tmp_path, root, store, monkeypatch, crash):
+    commit_step(store, tmp_path, 1)
+    crash(store, monkeypatch)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        commit_step(store, tmp_path, 2)
+
+    assert store.latest_step() == 1 and store.list_steps() == [1]
+    assert sorted(path.name for path in root.iterdir()) == ["latest", "step-1"]  # staging cleaned up
+    with pytest.raises(CheckpointError, match="not a committed checkpoint"):
+        store.resolve(2)
+    assert store.resolve("auto") == 1
+
+
+def test_recommit_replaces_a_step_whole(tmp_path, root, store):
+    commit_step(store, tmp_path, 3)
+    second = stage_checkpoint(tmp_path / "second", seed=99)
+    (second / "only-in-second.txt").write_text("new")
+    store.commit(second, 3, world_size=2, config_hash="cfg-abc")
+
+    store.download(3, tmp_path / "restored")
+    assert same_tree(second, tmp_path / "restored")
+    assert sorted(path.name for path in root.iterdir()) == ["latest", "step-3"]
+
+
+@pytest.mark.parametrize("bad_path", ["../outside.bin", "/tmp/outside.bin", "engine/../../outside.bin", "a//b", "./x",
+                                      "a\\..\\b"])
+def test_manifest_paths_that_escape_the_checkpoint_are_rejected(tmp_path, root, store, bad_path):
+    commit_step(store, tmp_path, 1)
+    manifest_path = root / "step-1" / MANIFEST_NAME
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"][0]["path"] = bad_path
+    manifest_path.write_text(json.dumps(manifest))
+
+    for action in (lambda: store.verify(1), lambda: store.download(1, tmp_path / "restored" / "inner")):
+        with pytest.raises(CheckpointError, match="invalid manifest"):
+            action()
+    assert not (tmp_path / "restored" / "outside.bin").exists() and not (tmp_path / "outside.bin").exists()
+
+
+def test_resolve_accepts_step_number_name_and_uri_under_the_root(tmp_path, root, store):
+    commit_step(store, tmp_path, 3)
+    for resume in (3, "3", "step-3", f"{root.as_uri()}/step-3", f"{root}/step-3/"):
+        assert store.resolve(resume) == 3
+    for resume in (f"{tmp_path / 'elsewhere'}/step-3", "s3://bucket/step-3", "latest", "step-03"):
+        with pytest.raises(CheckpointError, match="is not 'auto'"):
+            store.resolve(resume)
+
+
+def test_prune_keeps_last_k_best_latest_and_uncommitted(tmp_path, root, store):
+    rewards = {1: 0.1, 2: 0.9, 3: 0.2, 4: 0.3, 5: 0.4, 6: 0.5}
+    for step, reward in rewards.items():
+        commit_step(store, tmp_path, step, eval_reward=reward)
+    store.backend.write_bytes("latest", b"3\n")  # e.g. a run restarted from step 3
+    in_flight = stage_checkpoint(root / "step-7", seed=7)  # files, no manifest yet
+
+    assert store.prune(keep_last=2, best_metric="eval_reward") == [1, 4]
+    assert store.list_steps() == [2, 3, 5, 6]
+    assert same_tree(in_flight, root / "step-7")
+
+
+def test_prune_best_can_be_the_lowest(tmp_path, store):
+    for step, loss in {1: 0.1, 2: 0.5, 3: 0.7, 4: 0.9}.items():
+        commit_step(store, tmp_path, step, eval_loss=loss)
+    assert store.prune(keep_last=2, best_metric="eval_loss", higher_is_better=False) == [2]
+
+
+def test_prune_logs_a_failed_deletion_and_carries_on(tmp_path, store, monkeypatch, caplog):
+    for step in range(1, 5):
+        commit_step(store, tmp_path, step)
+    delete_tree = store.backend.delete_tree
+
+    def failing_delete_tree(prefix):
+        if prefix == "step-1":
+            raise PermissionError("read-only")
+        delete_tree(prefix)
+
+    monkeypatch.setattr(store.backend, "delete_tree", failing_delete_tree)
+    with caplog.at_level(logging.WARNING, logger="pipeline.storage"):
+        assert store.prune(keep_last=2) == [2]
+    assert "could not delete" in caplog.text and "read-only" in caplog.text
+    assert store.list_steps() == [3, 4]  # step 1 lost its manifest first: leftover files, never a broken checkpoint
+
+
+def test_prune_refuses_to_keep_a_single_checkpoint(store):
+    with pytest.raises(UserError, match="keep_last"):
+        store.prune(keep_last=1)
+
+
+def test_commit_refuses_empty_or_reserved_staging(tmp_path, store):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no files"):
+        store.commit(tmp_path / "empty", 1, world_size=1, config_hash="x")
+    (tmp_path / "reserved" / MANIFEST_NAME).parent.mkdir()
+    (tmp_path / "reserved" / MANIFEST_NAME).write_text("{}")
+    with pytest.raises(ValueError, match="reserved"):
+        store.commit(tmp_path / "reserved", 1, world_size=1, config_hash="x")
+
+
+def test_config_checks_its_values_and_defaults_to_the_output_dir(tmp_path):
+    for bad in ({"uri": "gs://bucket/run"}, {"uri": "s3:///run"}, {"retry_mode": "legacy"}, {"keep_last": 1},
+                {"unknown_key": 1}):
+        with pytest.raises(ValidationError):
+            CheckpointConfig(**bad)
+    assert CheckpointConfig().build(output_dir=tmp_path).uri == str(tmp_path / "checkpoints")
+    with pytest.raises(UserError, match="checkpoint.uri"):
+        CheckpointConfig().build()
+
+
+def test_load_tensors_reads_safetensors(tmp_path):
+    tensors = {"lora_A.weight": torch.randn(4, 2), "lora_B.weight": torch.zeros(2, 4)}
+    save_file(tensors, tmp_path / "adapter.safetensors")
+    loaded = load_tensors(tmp_path / "adapter.safetensors")
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+
+
+class Payload:
+    """Stands in for an object an attacker pickled into a checkpoint."""
+
+
+def test_load_torch_reads_tensors_but_never_arbitrary_objects(tmp_path):
+    torch.save({"step": 3, "weight": torch.ones(2)}, tmp_path / "state.pt")
+    assert torch.equal(load_torch(tmp_path / "state.pt")["weight"], torch.ones(2))
+    torch.save({"payload": Payload()}, tmp_path / "evil.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        load_torch(tmp_path / "evil.pt")
