@@ -1,0 +1,308 @@
+"""Experiment tracking on MLflow, built so that a tracking-server outage can never stop a training run.
+
+``Tracker`` logs the resolved config as params (flattened to dotted keys, secrets masked), per-iteration metrics and
+artifacts. Only rank 0 talks to MLflow; on other ranks every method does nothing.
+
+Outages: every metric is first appended to ``<run_dir>/mlflow-buffer.jsonl`` and the buffer is then sent. When the
+server cannot be reached the buffer simply stays (on disk, so it also survives a crash) and later calls send it,
+at most every ``retry_interval_s``; one warning says so per outage. MLflow's own HTTP retries are turned down first:
+its defaults (7 retries with exponential backoff, 120 s timeout) would block a training step for minutes per call.
+A request the server rejects as invalid cannot succeed by retrying: rejected metrics are moved to a side file and
+logged as an error; a run the server refuses to open turns tracking off. Either way the training goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import requests
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
+from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline import distributed
+
+log = logging.getLogger(__name__)
+
+BUFFER_FILE = "mlflow-buffer.jsonl"
+MASK = "***"
+SECRET_KEY = re.compile(r"secret|password|token|key|credential", re.IGNORECASE)
+URI_USERINFO = re.compile(r"(?<=://)[^/@\s]+(?=@)")  # the `user:pass` (or bare token) in scheme://user:pass@host
+# Set only where the operator has not: a failed request fails in seconds, and we retry from the buffer instead.
+FAIL_FAST_HTTP = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
+
+
+class TrackingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    # None: the embedded store, sqlite:///<run_dir>/mlflow.db with artifacts in <run_dir>/mlflow-artifacts.
+    tracking_uri: str | None = None
+    experiment: str = "sage-grpo"
+    run_name: str | None = None
+    retry_interval_s: float = Field(60.0, ge=0)  # during an outage, how often to try the server again
+
+
+# --- Params: the resolved config, flattened and masked ---------------------------------------------------------
+
+
+def mask_uri_credentials(text: str) -> str:
+    return URI_USERINFO.sub(MASK, text)
+
+
+def loggable_params(config: BaseModel | Mapping[str, Any]) -> dict[str, str]:
+    """``{"a": {"b": [1, {"api_key": "x"}]}}`` -> ``{"a.b.0": "1", "a.b.1.api_key": "***"}``.
+
+    Lists are flattened by index like mappings, so a secret inside a list of sections is still seen by its key.
+    """
+    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
+    return {key: _masked(key, _as_text(value)) for key, value in _flatten(data, prefix="").items()}
+
+
+def _flatten(node: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(node, Mapping) and node:
+        children = node.items()
+    elif isinstance(node, (list, tuple)) and node:
+        children = enumerate(node)
+    else:
+        return {prefix.rstrip("."): node}
+    flat = {}
+    for key, child in children:
+        flat.update(_flatten(child, f"{prefix}{key}."))
+    return flat
+
+
+def _as_text(value: Any) -> str:
+    # JSON spelling (null, true, []) reads like the YAML config the value came from.
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text[:MAX_PARAM_VAL_LENGTH]
+
+
+def _masked(key: str, text: str) -> str:
+    if SECRET_KEY.search(key) and text not in ("", "null"):
+        return MASK  # an unset secret stays visible as unset
+    return mask_uri_credentials(text)
+
+
+# --- Error classes ---------------------------------------------------------------------------------------------
+
+
+def is_outage(error: Exception) -> bool:
+    """Errors that retrying later can cure: unreachable, overloaded, rate-limited, or refusing our credentials."""
+    if isinstance(error, MlflowException):  # MLflow wraps connection failures as INTERNAL_ERROR (HTTP 500)
+        status = error.get_http_status_code()
+        return status >= 500 or status in (401, 403, 429)
+    return isinstance(error, (requests.RequestException, ConnectionError, TimeoutError))
+
+
+class Tracker:
+    """Recipe: ``tracker.start(resolved_config, run_id=saved_id)`` once; ``log_metrics`` every iteration;
+    ``log_artifact`` / ``log_figure`` as needed; ``finish(status)`` at the end. Save ``tracker.run_id`` with each
+    checkpoint so a resumed job appends to the same run."""
+
+    def __init__(self, config: TrackingConfig, run_dir: str | Path):
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.enabled = config.enabled and distributed.is_main()
+        self.run_id: str | None = None
+        self._resume_id: str | None = None
+        self._params: dict[str, str] = {}
+        self._params_logged = False
+        self._buffer = self.run_dir / BUFFER_FILE
+        self._in_outage = False
+        self._retry_after = 0.0
+        if self.enabled:
+            for name, value in FAIL_FAST_HTTP.items():
+                os.environ.setdefault(name, value)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._client = MlflowClient(self.tracking_uri)
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.config.tracking_uri or f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}"
+
+    # --- Public API --------------------------------------------------------------------------------------------
+
+    def start(self, config: BaseModel | Mapping[str, Any], run_id: str | None = None) -> str | None:
+        """Open a new run, or continue ``run_id`` (saved with the checkpoint), and log ``config`` as params.
+
+        Returns the run id, or None while the server is unreachable: the run is then opened by a later call.
+        """
+        if not self.enabled:
+            return None
+        self._params = loggable_params(config)
+        self._resume_id = run_id
+        self._sync()
+        return self.run_id
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        if not self.enabled:
+            return
+        timestamp = int(time.time() * 1000)
+        with self._buffer.open("a") as buffer:
+            for key, value in metrics.items():
+                row = {"key": key, "value": float(value), "step": step, "timestamp": timestamp}
+                buffer.write(json.dumps(row) + "\n")
+        self._sync()
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Upload a file, or a directory's contents, under ``artifact_path``. Not retried: the files stay on disk."""
+        if not self.enabled:
+            return
+        path = Path(path)
+        upload = self._client.log_artifacts if path.is_dir() else self._client.log_artifact
+        self._upload(str(path), lambda: upload(self.run_id, str(path), artifact_path))
+
+    def log_figure(self, figure: Any, artifact_file: str) -> None:
+        """Upload a matplotlib figure as ``artifact_file`` (e.g. ``plots/reward.png``)."""
+        if not self.enabled:
+            return
+        self._upload(f"figure {artifact_file}", lambda: self._client.log_figure(self.run_id, figure, artifact_file))
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Send what is buffered (ignoring the retry interval) and mark the run FINISHED, FAILED or KILLED."""
+        if not self.enabled:
+            return
+        self._retry_after = 0.0
+        self._sync()
+        if self.run_id is None or self._in_outage:
+            log.warning("MLflow run not closed: the tracking server is unreachable; %s keeps the metrics", self._buffer)
+            return
+        try:
+            self._client.set_terminated(self.run_id, status)
+        except (MlflowException, requests.RequestException, OSError) as error:
+            log.warning("MLflow run %s not marked %s: %s", self.run_id, status, _first_line(error))
+
+    # --- Talking to MLflow -------------------------------------------------------------------------------------
+
+    def _sync(self) -> None:
+        """Open the run if it is not open yet and send the buffer; during an outage, leave both for a later call."""
+        if time.monotonic() < self._retry_after:
+            return
+        try:
+            self._open_run()
+            self._send_buffer()
+        except (MlflowException, requests.RequestException, OSError) as error:
+            if is_outage(error):
+                self._note_outage(error)
+            else:
+                self._give_up(error)
+            return
+        if self._in_outage:
+            log.warning("MLflow tracking at %s answers again; buffered metrics sent", self._safe_uri)
+            self._in_outage = False
+
+    def _open_run(self) -> None:
+        if self.run_id is None:
+            self.run_id = self._continue_run(self._resume_id) if self._resume_id else self._new_run()
+        if not self._params_logged:
+            self._log_params()
+            self._params_logged = True
+
+    def _new_run(self) -> str:
+        return self._client.create_run(self._experiment_id(), run_name=self.config.run_name).info.run_id
+
+    def _continue_run(self, run_id: str) -> str:
+        try:
+            self._client.get_run(run_id)
+        except MlflowException as error:
+            if error.error_code != ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+                raise
+            log.warning("MLflow run %s does not exist at %s; starting a new run", run_id, self._safe_uri)
+            return self._new_run()
+        self._client.update_run(run_id, status="RUNNING")
+        return run_id
+
+    def _experiment_id(self) -> str:
+        experiment = self._client.get_experiment_by_name(self.config.experiment)
+        if experiment is not None:
+            return experiment.experiment_id
+        # The embedded store would otherwise put artifacts in ./mlruns of whatever directory the job started in.
+        location = None if self.config.tracking_uri else (self.run_dir / "mlflow-artifacts").resolve().as_uri()
+        return self._client.create_experiment(self.config.experiment, artifact_location=location)
+
+    def _log_params(self) -> None:
+        existing = self._client.get_run(self.run_id).data.params
+        changed = sorted(key for key, value in self._params.items() if existing.get(key, value) != value)
+        if changed:
+            # MLflow params are write-once: a resumed run keeps the values it started with.
+            log.warning("config changed since MLflow run %s started; params keep old values: %s", self.run_id, changed)
+        new = [Param(key, value) for key, value in self._params.items() if key not in existing]
+        self._client.log_batch(self.run_id, params=new)
+
+    def _send_buffer(self) -> None:
+        if not self._buffer.exists():
+            return
+        rows = _read_rows(self._buffer)
+        try:
+            self._client.log_batch(self.run_id, metrics=[Metric(**row) for row in rows])
+        except MlflowException as error:
+            if is_outage(error):
+                raise
+            self._set_aside(error)
+            return
+        self._buffer.unlink()
+
+    def _set_aside(self, error: MlflowException) -> None:
+        rejected = self._buffer.with_name(f"mlflow-rejected-{int(time.time())}.jsonl")
+        os.replace(self._buffer, rejected)
+        log.error("MLflow rejected metrics (%s); they are kept in %s, the run goes on", _first_line(error), rejected)
+
+    def _upload(self, what: str, upload: Callable[[], None]) -> None:
+        self._sync()
+        if self.run_id is None or self._in_outage:
+            log.warning("%s not sent to MLflow: the tracking server is unreachable", what)
+            return
+        try:
+            upload()
+        except (MlflowException, requests.RequestException, OSError) as error:
+            if is_outage(error):
+                self._note_outage(error)
+            log.warning("%s not sent to MLflow: %s", what, _first_line(error))
+
+    def _give_up(self, error: Exception) -> None:
+        # Retrying cannot cure a refusal (say, an experiment deleted on the server); the training goes on untracked.
+        log.error("MLflow refused the run (%s); tracking is off for the rest of this process", _first_line(error))
+        self.enabled = False
+
+    def _note_outage(self, error: Exception) -> None:
+        self._retry_after = time.monotonic() + self.config.retry_interval_s
+        if not self._in_outage:
+            log.warning(
+                "MLflow tracking at %s is unreachable (%s); metrics are buffered in %s and sent when it answers",
+                self._safe_uri, _first_line(error), self._buffer,
+            )
+        self._in_outage = True
+
+    @property
+    def _safe_uri(self) -> str:
+        return mask_uri_credentials(self.tracking_uri)
+
+
+def _read_rows(buffer: Path) -> list[dict[str, Any]]:
+    rows = []
+    for line in buffer.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # the torn last line of a crash mid-write: that one value is lost
+    return rows
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return mask_uri_credentials(lines[0][:300]) if lines else type(error).__name__
