@@ -1,0 +1,234 @@
+"""The scheduled fine-tuning run: newest prompt set -> train -> evaluate -> promote, safe to start any number of times.
+
+Layout under the checkpoint root (a local folder or ``s3://bucket/prefix``)::
+
+    ROOT/sage-2026-12-03/                   one scheduled run, named by the day it started; its checkpoints live here
+    ROOT/sage-2026-12-03/schedule/prompt_set    the prompt set the run started with (a resumed run keeps it)
+    ROOT/sage-2026-12-03/schedule/train.done    one marker per finished step, written only after the step exits 0
+
+Decision (``decide``, pure): an unfinished scheduled run is finished first, from its first step without a marker
+(training always passes ``--resume auto``, so a half-trained run continues from its newest committed checkpoint);
+otherwise, if today's run is complete, or the newest prompt set was already trained by an earlier run, there is
+nothing to do; otherwise a new run named by today's date starts on the newest prompt set. Starting twice the same
+day therefore never trains twice. Two invocations at the same time
+are not guarded against here: the CronJob uses ``concurrencyPolicy: Forbid`` and infra/scheduled_run.sh a flock.
+
+Prompt sets are the entries directly under the prompts location; the newest is the greatest name, so name them by
+date (``2026-12-03/`` or ``2026-12-03.jsonl``). Names starting with ``.`` or ``_`` (uploads in progress, markers) are
+ignored.
+
+A step that fails stops the run with that step's exit status, so a training run stopped with 75 (checkpointed,
+restart me) reaches the scheduler as 75 and the next start resumes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+from typing import Literal
+
+from pipeline.errors import UserError
+
+STEPS = ("train", "evaluate", "promote")
+RUN_PREFIX = "sage"
+_RUN_NAME = re.compile(rf"^{RUN_PREFIX}-\d{{4}}-\d{{2}}-\d{{2}}$")
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What the checkpoint root says about one scheduled run."""
+
+    name: str
+    prompt_set: str | None
+    completed: frozenset[str]
+
+    @property
+    def done(self) -> bool:
+        return self.completed >= set(STEPS)
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Literal["new", "resume", "skip"]
+    run_name: str
+    prompt_set: str | None
+    steps: tuple[str, ...]  # still to run, in order; empty for "skip"
+    reason: str
+
+
+def run_name(day: date) -> str:
+    return f"{RUN_PREFIX}-{day.isoformat()}"
+
+
+def newest_prompt_set(names: list[str]) -> str:
+    candidates = [name.rstrip("/") for name in names if not name.startswith((".", "_"))]
+    if not candidates:
+        raise UserError("no prompt set found: the prompts location is empty")
+    return max(candidates)
+
+
+def decide(today: date, prompt_sets: list[str], runs: list[RunState]) -> Decision:
+    """Which run to work on and which steps remain; see the module docstring for the rules."""
+    scheduled = sorted((run for run in runs if _RUN_NAME.match(run.name)), key=lambda run: run.name)
+    unfinished = [run for run in scheduled if not run.done]
+    if unfinished:
+        run = unfinished[-1]
+        if run.prompt_set is None:
+            raise UserError(f"run {run.name} has no schedule/prompt_set marker: it was not started by the scheduler")
+        steps = tuple(step for step in STEPS if step not in run.completed)
+        return Decision("resume", run.name, run.prompt_set, steps, f"{run.name} is unfinished: {', '.join(steps)} left")
+    name = run_name(today)
+    if any(run.name == name for run in scheduled):
+        return Decision("skip", name, None, (), f"{name} is already complete")
+    prompt_set = newest_prompt_set(prompt_sets)
+    trained = [run.name for run in scheduled if run.prompt_set == prompt_set]
+    if trained:
+        return Decision("skip", name, prompt_set, (), f"prompt set {prompt_set} was already trained by {trained[-1]}")
+    return Decision("new", name, prompt_set, STEPS, f"new run {name} on prompt set {prompt_set}")
+
+
+class Store:
+    """Just enough of a file system for markers: a local folder or an S3 prefix."""
+
+    def __init__(self, uri: str):
+        self.uri = uri.rstrip("/")
+        self._s3 = None
+        if self.uri.startswith("s3://"):
+            import boto3
+
+            self._s3 = boto3.client("s3")
+            self._bucket, _, self._prefix = self.uri[len("s3://"):].partition("/")
+
+    def join(self, *parts: str) -> str:
+        return "/".join([self.uri, *parts])
+
+    def children(self, *parts: str) -> list[str]:
+        """Names of the entries directly under ``parts`` (files and folders alike)."""
+        if self._s3 is None:
+            folder = Path(self.join(*parts))
+            return sorted(child.name for child in folder.iterdir()) if folder.is_dir() else []
+        prefix = self._key(*parts) + "/" if self._key(*parts) else ""
+        names = set()
+        for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=self._bucket, Prefix=prefix, Delimiter="/"):
+            names.update(p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", []))
+            names.update(o["Key"][len(prefix):] for o in page.get("Contents", []) if o["Key"] != prefix)
+        return sorted(names)
+
+    def read(self, *parts: str) -> str | None:
+        if self._s3 is None:
+            path = Path(self.join(*parts))
+            return path.read_text() if path.is_file() else None
+        try:
+            return self._s3.get_object(Bucket=self._bucket, Key=self._key(*parts))["Body"].read().decode()
+        except self._s3.exceptions.NoSuchKey:
+            return None
+
+    def write(self, text: str, *parts: str) -> None:
+        if self._s3 is None:
+            path = Path(self.join(*parts))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_name(path.name + ".tmp")
+            temporary.write_text(text)
+            temporary.replace(path)  # a marker is either absent or whole
+        else:
+            self._s3.put_object(Bucket=self._bucket, Key=self._key(*parts), Body=text.encode())
+
+    def _key(self, *parts: str) -> str:
+        return "/".join(part for part in (self._prefix, *parts) if part)
+
+
+def read_runs(root: Store) -> list[RunState]:
+    runs = []
+    for name in root.children():
+        if not _RUN_NAME.match(name):
+            continue
+        markers = root.children(name, "schedule")
+        prompt_set = root.read(name, "schedule", "prompt_set")
+        completed = frozenset(step for step in STEPS if f"{step}.done" in markers)
+        runs.append(RunState(name, prompt_set.strip() if prompt_set else None, completed))
+    return runs
+
+
+def step_command(step: str, decision: Decision, args: argparse.Namespace, root: Store) -> list[str]:
+    """The command line of one step. Training runs under pipeline.launch so a checkpointed stop keeps status 75."""
+    run_dir = root.join(decision.run_name)
+    if step == "train":
+        prompts = Store(args.prompts).join(decision.prompt_set)
+        return [
+            sys.executable, "-m", "pipeline.launch", "--standalone", f"--nproc-per-node={args.nproc_per_node}",
+            "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1", "--shutdown-timeout=300", "--no-python",
+            "sagegrpo", "run", args.config, f"run.name={decision.run_name}", f"run.output_dir={run_dir}",
+            f"data.prompts={prompts}", "--resume", "auto",
+        ]
+    if step == "evaluate":
+        return ["sagegrpo", "eval", args.config, "--checkpoint", run_dir]
+    return ["sagegrpo", "promote", "--model", args.model]
+
+
+def run_relaying_stop_signals(command: list[str]) -> int:
+    """Run ``command`` and pass SIGTERM/SIGUSR1 on to it: in a pod only PID 1 (this process) receives them, and the
+    step must see them to checkpoint. SIGINT is left alone, a terminal already sends it to the whole group."""
+    child = subprocess.Popen(command)
+    relay = lambda signum, frame: child.send_signal(signum)
+    previous = {signum: signal.signal(signum, relay) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        return child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="run config YAML")
+    parser.add_argument("--prompts", required=True, help="folder or s3:// prefix holding one entry per prompt set")
+    parser.add_argument("--checkpoint-root", required=True, help="folder or s3:// prefix of the scheduled runs")
+    parser.add_argument("--model", required=True, help="registered model name for promotion")
+    parser.add_argument("--nproc-per-node", type=int, default=8, help="training processes (GPUs) on this node")
+    parser.add_argument("--date", type=date.fromisoformat, default=None, help="today, for tests (YYYY-MM-DD)")
+    parser.add_argument("--dry-run", action="store_true", help="print the decision and commands, run nothing")
+
+
+def register_cli(subparsers) -> None:
+    """Add ``schedule`` to the ``sagegrpo`` command line."""
+    parser = subparsers.add_parser("schedule", help="the scheduled run: newest prompts, train, evaluate, promote")
+    add_arguments(parser)
+    parser.set_defaults(handler=run_schedule)
+
+
+def run_schedule(args: argparse.Namespace) -> int:
+    root = Store(args.checkpoint_root)
+    decision = decide(args.date or date.today(), Store(args.prompts).children(), read_runs(root))
+    print(f"schedule: {decision.action}: {decision.reason}", flush=True)
+    if decision.action == "new" and not args.dry_run:
+        root.write(decision.prompt_set + "\n", decision.run_name, "schedule", "prompt_set")
+    for step in decision.steps:
+        command = step_command(step, decision, args, root)
+        print(f"schedule: {step}: {' '.join(command)}", flush=True)
+        if args.dry_run:
+            continue
+        status = run_relaying_stop_signals(command)
+        if status != 0:
+            print(f"schedule: {step} exited {status}; the next start resumes from this step", file=sys.stderr)
+            return status
+        root.write("", decision.run_name, "schedule", f"{step}.done")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.schedule", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    try:
+        return run_schedule(parser.parse_args(argv))
+    except UserError as error:
+        print(f"schedule: error: {error}", file=sys.stderr)
+        return UserError.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""pipeline.launch around a real torchrun (two CPU workers): a worker's 75, or a stop signal relayed to the workers,
+comes out as the retry status; other statuses come out as themselves."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import RETRYABLE_EXIT_CODE
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A stand-in run: checkpoints (here: nothing) and exits 75 on SIGTERM/SIGUSR1, as the real one does.
+WORKER = f"""
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit({RETRYABLE_EXIT_CODE}))
+signal.signal(signal.SIGUSR1, lambda *_: sys.exit({RETRYABLE_EXIT_CODE}))
+open(os.path.join(sys.argv[2], "ready" + os.environ["LOCAL_RANK"]), "w").close()
+mode = sys.argv[1]
+if mode == "stop-rank-1" and os.environ["RANK"] == "1":
+    sys.exit({RETRYABLE_EXIT_CODE})
+if mode == "user-error":
+    sys.exit(2)
+if mode == "wait":
+    time.sleep(60)
+"""
+
+
+def _launch(tmp_path: Path, mode: str, *extra: str) -> subprocess.Popen:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    command = [sys.executable, "-m", "pipeline.launch", *extra, "--standalone", "--nproc-per-node=2",
+               "--signals-to-handle=SIGTERM,SIGUSR1", str(script), mode, str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.parametrize("mode, expected", [("stop-rank-1", 143), ("user-error", 2)])
+def test_worker_status_becomes_the_launcher_status(tmp_path, mode, expected):
+    launcher = _launch(tmp_path, mode, "--retry-exit-code=143")
+    output, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == expected, output
+
+
+def test_a_stop_signal_reaches_the_workers_and_asks_for_a_restart(tmp_path):
+    launcher = _launch(tmp_path, "wait")
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready{rank}").exists() for rank in (0, 1)):
+        assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()[0]
+        time.sleep(0.1)
+    launcher.send_signal(signal.SIGUSR1)  # Slurm's pre-timeout signal, relayed by train.sbatch
+    output, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == RETRYABLE_EXIT_CODE, output
+    assert "SIGUSR1" in output
