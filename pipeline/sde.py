@@ -196,10 +196,16 @@ def _schedule_terms(variant, sigmas, eta, flow_sigma_max):
     return torch.where(stochastic, std, 0.0), torch.where(stochastic, jacobian, sigma_next - sigma)
 
 
-def balance_factors(variant: str, sigmas: torch.Tensor, eta: float, *, flow_sigma_max: float | None = None):
-    """S_t = median(N) / (N_t + 1e-8) for every step; 0 on deterministic steps, which carry no gradient."""
+def balance_factors(variant: str, sigmas: torch.Tensor, eta: float, *, trained: torch.Tensor | None = None,
+                    flow_sigma_max: float | None = None):
+    """S_t = median(N) / (N_t + 1e-8) for every step; 0 on deterministic steps, which carry no gradient.
+
+    ``trained`` ([T] bool) restricts the median and the factors to the steps that are trained (an SDE window).
+    """
     scales = gradient_scales(variant, sigmas, eta, flow_sigma_max=flow_sigma_max)
     stochastic = ~torch.isnan(scales)
+    if trained is not None:
+        stochastic &= torch.as_tensor(trained, dtype=torch.bool, device=stochastic.device)
     if not torch.any(stochastic):
         return torch.zeros_like(scales)
     median = scales[stochastic].median()

@@ -23,25 +23,20 @@ def _is_zero3(param: torch.nn.Parameter) -> bool:
 
 
 def _release_if_gathered(param: torch.nn.Parameter) -> None:
-    """Drop a ZeRO-3 parameter's gathered copy, so the next forward gathers from the (swapped) shards."""
+    """Drop a ZeRO-3 parameter's gathered copy, so the next forward gathers from the (swapped) shards.
+
+    This includes the small parameters ZeRO-3 keeps gathered for speed ("persistent"): the coordinator re-fetches
+    whatever is not available, so they come back on the next forward, with the swapped values.
+    """
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    if not getattr(param, "ds_persist", False) and param.ds_status == ZeroParamStatus.AVAILABLE:
+    if param.ds_status == ZeroParamStatus.AVAILABLE:
         param.partition()
 
 
 def local_views(param: torch.nn.Parameter) -> list[torch.Tensor]:
-    """The tensors that hold this rank's values of ``param``: its shard under ZeRO-3, else the whole tensor.
-
-    ZeRO-3 keeps small "persistent" parameters gathered for speed; their full copy is what forward reads, so it is
-    swapped along with the shard.
-    """
-    if not _is_zero3(param):
-        return [param.data]
-    views = [param.ds_tensor.data]
-    if getattr(param, "ds_persist", False):
-        views.append(param.data)
-    return views
+    """The tensors that hold this rank's values of ``param``: its shard under ZeRO-3, else the whole tensor."""
+    return [param.ds_tensor.data] if _is_zero3(param) else [param.data]
 
 
 class Anchor:

@@ -161,10 +161,9 @@ class _Totals:
 class Updater:
     """Holds what persists across updates: the engine, the anchor, the KL controller and the counters."""
 
-    def __init__(self, engine, adapter, sde_config, update_config: UpdateConfig, trust_config: TrustRegionConfig):
+    def __init__(self, engine, adapter, update_config: UpdateConfig, trust_config: TrustRegionConfig):
         self.engine = engine
         self.adapter = adapter
-        self.sde_config = sde_config
         self.config = update_config
         self.trust = trust_config.region()
         self.trust_config = trust_config
@@ -197,9 +196,7 @@ class Updater:
         return [pairs[i] for i in order]
 
     def _timestep_weights(self, rollout) -> torch.Tensor:
-        if not self.config.equalizer:
-            return torch.ones(len(rollout.sigmas) - 1)
-        return sde.balance_factors(self.sde_config.variant, rollout.sigmas, self.sde_config.eta).float()
+        return timestep_weights(rollout, equalize=self.config.equalizer)
 
     def _micro_step(self, rollout, advantages: Advantages, weights, transition: Transition):
         index, t = transition.samples, transition.step
@@ -209,9 +206,11 @@ class Updater:
         sigma_next = rollout.sigmas[t + 1].expand(len(index)).float()
         embeddings = rollout.sample_embeddings(index)
 
+        sde_config = rollout.sde_config
+
         def transition_under(module):
             velocity = self.adapter.predict_velocity(latents, sigma, embeddings, module=module)
-            return sde.sde_step(self.sde_config.variant, velocity, latents, sigma, sigma_next, self.sde_config.eta,
+            return sde.sde_step(sde_config.sde_variant, velocity, latents, sigma, sigma_next, sde_config.eta,
                                 prev_sample=target)
 
         anchor_mean = None
@@ -245,7 +244,7 @@ class Updater:
         metrics["lambda_kl"] = self.controller.value
         grad_norm = self.engine.get_global_grad_norm()
         metrics["grad_norm"] = float("nan") if grad_norm is None else float(grad_norm)
-        trained = weights[rollout.trained_steps]
+        trained = weights[rollout.trained_steps.cpu()]
         metrics["equalizer_min"], metrics["equalizer_max"] = float(trained.min()), float(trained.max())
         if skipped:
             self.skipped_updates += 1
@@ -280,22 +279,30 @@ class Updater:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def timestep_gradient_norms(adapter, rollout, sde_config, *, equalize: bool, samples: torch.Tensor | None = None):
+def timestep_weights(rollout, *, equalize: bool) -> torch.Tensor:
+    """Per-step loss weights: the equalizer's S_t over the trained steps, or 1 on them when it is off."""
+    trained = rollout.trained_steps.cpu()
+    if not equalize:
+        return trained.float()
+    config = rollout.sde_config
+    return sde.balance_factors(config.sde_variant, rollout.sigmas.cpu(), config.eta, trained=trained).float()
+
+
+def timestep_gradient_norms(adapter, rollout, *, equalize: bool, samples: torch.Tensor | None = None):
     """The norm of grad log pi summed over samples, per trained timestep, times S_t when ``equalize``: the quantity
     the temporal gradient equalizer balances (the paper's claim, measured rather than assumed)."""
-    module = adapter.transformer
-    params = [p for p in module.parameters() if p.requires_grad]
-    weights = sde.balance_factors(sde_config.variant, rollout.sigmas, sde_config.eta).float() if equalize \
-        else torch.ones(len(rollout.sigmas) - 1)
-    index = torch.arange(rollout.latents.shape[0]) if samples is None else samples
+    params = [p for p in adapter.transformer.parameters() if p.requires_grad]
+    weights = timestep_weights(rollout, equalize=equalize)
+    config = rollout.sde_config
+    index = torch.arange(rollout.num_samples) if samples is None else samples
     embeddings = rollout.sample_embeddings(index)
     norms = {}
-    for t in torch.nonzero(rollout.trained_steps).flatten().tolist():
+    for t in torch.nonzero(rollout.trained_steps.cpu()).flatten().tolist():
         latents = rollout.latents[index, t]
         sigma = rollout.sigmas[t].expand(len(index)).float()
+        sigma_next = rollout.sigmas[t + 1].expand(len(index)).float()
         velocity = adapter.predict_velocity(latents, sigma, embeddings)
-        step = sde.sde_step(sde_config.variant, velocity, latents, sigma,
-                            rollout.sigmas[t + 1].expand(len(index)).float(), sde_config.eta,
+        step = sde.sde_step(config.sde_variant, velocity, latents, sigma, sigma_next, config.eta,
                             prev_sample=rollout.latents[index, t + 1])
         grads = torch.autograd.grad(step.log_prob.sum() * float(weights[t]), params, allow_unused=True)
         norms[t] = float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads if g is not None)))

@@ -52,21 +52,22 @@ def main():
         adapter.transformer.requires_grad_(True)
 
     sde_config = SDEConfig(variant="sage", eta=0.7, steps=4, shift=3.0)
-    rollout = generate(adapter, PROMPTS, GROUP_SIZE, sde_config, seed=7)
-    advantages = group_advantages(torch.tensor(REWARDS), rollout.group_ids)
-    per_rank = len(REWARDS) // world
-    mine = torch.arange(rank * per_rank, (rank + 1) * per_rank)
-    local_rollout, local_advantages = rollout.subset(mine), type(advantages)(advantages.values[mine],
-                                                                           advantages.valid[mine])
+    # Each rank rolls out its own prompts' groups; per-sample seeds make them the samples a single process draws.
+    per_rank = len(PROMPTS) // world
+    mine = list(range(rank * per_rank, (rank + 1) * per_rank))
+    local_rollout = generate(adapter, [PROMPTS[i] for i in mine], GROUP_SIZE, sde_config, seed=7, prompt_ids=mine)
+    rewards = torch.tensor(REWARDS).view(len(PROMPTS), GROUP_SIZE)[mine].flatten()
+    local_advantages = group_advantages(rewards, local_rollout.group_ids)
+    samples_per_rank = per_rank * GROUP_SIZE
 
     update_config = UpdateConfig(learning_rate=1e-3, micro_batch_size=1, seed=3)
     trust_config = TrustRegionConfig(strategy="dual", anchor_interval=2, kl_warmup_steps=0)
     steps = int(local_rollout.trained_steps.sum())
     engine = build_engine(adapter.transformer, update_config,
-                          accumulation_steps=accumulation_steps(per_rank, 1, steps))
+                          accumulation_steps=accumulation_steps(samples_per_rank, 1, steps))
     frozen_before = gathered_state(engine.module, trainable=False)
     trainable_before = gathered_state(engine.module, trainable=True)
-    updater = Updater(engine, adapter, sde_config, update_config, trust_config)
+    updater = Updater(engine, adapter, update_config, trust_config)
 
     history = []
     for update in range(1, args.updates + 1):
