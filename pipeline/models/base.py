@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -43,6 +45,8 @@ class VideoModelAdapter(ABC):
 
     transformer: torch.nn.Module
     guidance_scale: float = 1.0
+    # Config of the FlowMatchEulerDiscreteScheduler whose sigmas the rollout uses; {} means its defaults.
+    scheduler_config: dict[str, Any] = {}
 
     @property
     @abstractmethod
@@ -75,3 +79,31 @@ class VideoModelAdapter(ABC):
     @property
     def fps(self) -> int:
         return 24
+
+    def sigma_schedule(self, steps: int, shift: float) -> torch.Tensor:
+        """T+1 float32 sigmas from 1 to 0, computed by diffusers' scheduler exactly as HunyuanVideo 1.5's pipeline does.
+
+        Going through the scheduler (not our own formula) keeps our ODE loop bit-compatible with the pipeline's.
+        """
+        # Imported here: importing diffusers takes seconds, which code that only needs this interface should not pay.
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        # The rollout's fixed shift replaces any resolution-dependent one (which the pipeline would need a mu for).
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+            {**self.scheduler_config, "use_dynamic_shifting": False}, shift=shift
+        )
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1])
+        return scheduler.sigmas
+
+    @property
+    def num_train_timesteps(self) -> int:
+        """The transformer's timestep input is sigma times this (1000 for every flow-matching scheduler we know)."""
+        return int(self.scheduler_config.get("num_train_timesteps", 1000))
+
+
+def frames_to_uint8(frames: torch.Tensor) -> torch.Tensor:
+    """Videos in [0, 1] shaped [B, F, 3, H, W], as diffusers' ``postprocess_video(output_type="pt")`` returns them,
+    to uint8 [B, F, H, W, 3] on the CPU."""
+    return (frames.float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 1, 3, 4, 2).contiguous().cpu()

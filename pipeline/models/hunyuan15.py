@@ -1,0 +1,188 @@
+"""HunyuanVideo 1.5 text-to-video behind the adapter interface, built on diffusers' ``HunyuanVideo15Pipeline``.
+
+Everything model-specific is borrowed from the pipeline object rather than re-implemented: prompt templates and both
+text encoders (``pipeline.encode_prompt``), the t2v conditioning layout, the guider's CFG settings, the VAE and its
+post-processing. The one deliberate difference: the conditional and unconditional CFG branches run as one batched
+transformer call (the pipeline makes two), which is faster and does not change the maths.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+from diffusers.guiders.guider_utils import rescale_noise_cfg
+
+from .base import PromptEmbeddings, VideoModelAdapter, frames_to_uint8
+
+# Keyword names of HunyuanVideo15Transformer3DModel.forward, which are also the keys of our PromptEmbeddings.
+_TEXT_INPUTS = (
+    "encoder_hidden_states",
+    "encoder_attention_mask",
+    "encoder_hidden_states_2",
+    "encoder_attention_mask_2",
+)
+
+
+class HunyuanVideo15Adapter(VideoModelAdapter):
+    """Text-to-video with HunyuanVideo 1.5.
+
+    ``guidance_scale=None`` keeps the scale configured in the pipeline's guider. Scales <= 1 skip the unconditional
+    branch entirely. The pipeline's guider is replaced by one with the adapter's scale, so that calling the pipeline
+    itself (benchmarks, the correctness tests) samples the same distribution as our rollout.
+    """
+
+    def __init__(
+        self,
+        pipeline: HunyuanVideo15Pipeline,
+        *,
+        guidance_scale: float | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        num_frames: int = 81,
+        negative_prompt: str = "",
+        identity: str | None = None,
+    ):
+        guider = pipeline.guider
+        if guider.config.start != 0.0 or guider.config.stop != 1.0:
+            raise ValueError("CFG limited to a range of steps (guider start/stop) is not supported")
+        if not isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler):
+            raise ValueError(f"expected a FlowMatchEulerDiscreteScheduler, got {type(pipeline.scheduler).__name__}")
+        source = identity or pipeline.config.get("_name_or_path")
+        if not source:
+            raise ValueError("a pipeline built in code needs identity=...: it names the text encoders in cache keys")
+        if guidance_scale is not None:
+            pipeline.guider = guider = guider.new(guidance_scale=guidance_scale)
+
+        self.pipeline = pipeline
+        self.transformer = pipeline.transformer
+        self.guidance_scale = float(guider.guidance_scale)
+        self.scheduler_config = dict(pipeline.scheduler.config)
+        self.negative_prompt = negative_prompt
+        self.num_frames = num_frames
+        if height is None or width is None:
+            # The pipeline's own default: a 16:9 bucket of the transformer's target size.
+            height, width = pipeline.video_processor.calculate_default_height_width(
+                pipeline.default_aspect_ratio[1], pipeline.default_aspect_ratio[0], pipeline.target_size
+            )
+        self.height, self.width = height, width
+        self._identity = f"hunyuan15:{source}:{pipeline.text_encoder.dtype}"
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_hub_id: str,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cuda",
+        guidance_scale: float | None = None,
+        vae_tiling: bool = True,
+        **kwargs,
+    ) -> "HunyuanVideo15Adapter":
+        """Load a diffusers-format checkpoint, e.g. ``hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v``."""
+        pipeline = HunyuanVideo15Pipeline.from_pretrained(path_or_hub_id, torch_dtype=dtype).to(device)
+        if vae_tiling:
+            # Decoding 81 frames at 480p in one piece needs tens of GB of activations.
+            pipeline.vae.enable_tiling()
+        return cls(pipeline, guidance_scale=guidance_scale, **kwargs)
+
+    @property
+    def encoder_identity(self) -> str:
+        return self._identity
+
+    @property
+    def cfg_enabled(self) -> bool:
+        return self.guidance_scale > 1.0
+
+    # From one parameter: diffusers' ModelMixin.device/.dtype walk every parameter, a millisecond per velocity call.
+    @property
+    def device(self) -> torch.device:
+        return next(self.pipeline.transformer.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.pipeline.transformer.parameters()).dtype
+
+    def latent_shape(self) -> tuple[int, ...]:
+        p = self.pipeline
+        frames = (self.num_frames - 1) // p.vae_scale_factor_temporal + 1
+        return (
+            p.num_channels_latents,
+            frames,
+            self.height // p.vae_scale_factor_spatial,
+            self.width // p.vae_scale_factor_spatial,
+        )
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeddings:
+        positive = self._encode(prompts)
+        negative = None
+        if self.cfg_enabled:
+            # Every prompt shares the negative prompt: encode it once.
+            single = self._encode([self.negative_prompt])
+            negative = {k: v.expand(len(prompts), *v.shape[1:]).clone() for k, v in single.items()}
+        return PromptEmbeddings(positive, negative)
+
+    def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        tensors = self.pipeline.encode_prompt(
+            prompt=prompts, device=self.device, dtype=self.dtype, batch_size=len(prompts)
+        )
+        return dict(zip(_TEXT_INPUTS, tensors))
+
+    def predict_velocity(
+        self,
+        latents: torch.Tensor,
+        sigma: torch.Tensor,
+        embeddings: PromptEmbeddings,
+        *,
+        module: torch.nn.Module | None = None,
+    ) -> torch.Tensor:
+        model = self.transformer if module is None else module
+        device, dtype = self.device, self.dtype
+        batch = latents.shape[0]
+        text = embeddings.to(device, dtype)
+        conditions = [text.tensors] + ([text.negative] if self.cfg_enabled else [])
+        branches = len(conditions)
+
+        hidden_states = self._t2v_model_input(latents.to(device, dtype)).repeat(branches, 1, 1, 1, 1)
+        # Exactly the pipeline's timestep: float32 sigma times num_train_timesteps, then cast to the model dtype.
+        timestep = (sigma.to(device, torch.float32) * self.num_train_timesteps).to(dtype).repeat(branches)
+        text_inputs = {k: torch.cat([c[k] for c in conditions]) for k in _TEXT_INPUTS}
+        prediction = model(
+            hidden_states=hidden_states,
+            timestep=timestep,
+            image_embeds=self._zero_image_embeds(hidden_states),
+            return_dict=False,
+            **text_inputs,
+        )[0]
+        return self._guide(*prediction.float().split(batch))
+
+    def _t2v_model_input(self, latents: torch.Tensor) -> torch.Tensor:
+        """[latents, zero condition latents, zero mask] on channels: how the pipeline tells the model 'no image'."""
+        cond_latents, mask = self.pipeline.prepare_cond_latents_and_mask(latents, latents.dtype, latents.device)
+        return torch.cat([latents, cond_latents, mask], dim=1)
+
+    def _zero_image_embeds(self, like: torch.Tensor) -> torch.Tensor:
+        """All-zero image embeddings, which the transformer reads as text-to-video (it masks those tokens out)."""
+        p = self.pipeline
+        shape = (like.shape[0], p.vision_num_semantic_tokens, p.vision_states_dim)
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+    def _guide(self, cond: torch.Tensor, uncond: torch.Tensor | None = None) -> torch.Tensor:
+        """ClassifierFreeGuidance.forward, in float32 (bf16 cannot resolve GRPO's 1e-4 policy ratios)."""
+        guider = self.pipeline.guider
+        if uncond is None:
+            guided = cond
+        else:
+            base = cond if guider.use_original_formulation else uncond
+            guided = base + self.guidance_scale * (cond - uncond)
+        if guider.guidance_rescale > 0.0:
+            guided = rescale_noise_cfg(guided, cond, guider.guidance_rescale)
+        return guided
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        vae = self.pipeline.vae
+        latents = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor
+        # One sample per VAE call: the VAE's causal attention mask breaks on batches > 1 (diffusers PR #13133).
+        video = torch.cat([vae.decode(sample[None], return_dict=False)[0] for sample in latents])
+        return frames_to_uint8(self.pipeline.video_processor.postprocess_video(video, output_type="pt"))

@@ -1,0 +1,266 @@
+"""Stage 1, the rollout: sample G videos per prompt with a stochastic sampler and record every transition.
+
+Recipe, per call of ``generate``:
+  1. the sigma schedule from the model's diffusers scheduler (so the deterministic case is the pipeline's own loop);
+  2. one prompt encoding per prompt, shared by its group;
+  3. every sample gets its own random generator, seeded by (seed, group id, member index): its initial noise and
+     every step's noise come from it, so a sample is the same whatever the batch size, order or number of ranks;
+  4. batches of samples go through the T denoising steps: velocity, then ``sde.sde_step`` inside the stochastic window
+     (Euler outside it), recording latents, Gaussian means and log-probs in float32;
+  5. the final latents are decoded to uint8 videos.
+
+``recompute_log_probs`` scores the recorded transitions under the current (or another) module. It evaluates the
+same batches through the same code path as the rollout, so before any update it reproduces the recorded log-probs
+bit for bit: the policy ratio is exactly 1. Other batch compositions (``sample_index``) agree only to float precision,
+because matmul and attention kernels change with the batch size (even on CPU: batches of 1 differ from batches of 4
+by about 1e-6). Training that needs ratio == 1 exactly must score the rollout's own ``batches``, i.e. use the
+rollout's ``batch_size`` as its micro-batch size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from tqdm.auto import tqdm
+
+from pipeline.models.base import PromptEmbeddings, VideoModelAdapter
+from pipeline.sde import gaussian_log_prob, sde_step
+
+
+class SDEConfig(BaseModel):
+    """The rollout sampler. ``window`` = (start, end) makes steps start..end-1 stochastic and the rest deterministic
+    (MixGRPO / Flow-GRPO-Fast); only stochastic steps are trained. ``ode`` samples deterministically everywhere."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    variant: Literal["dance", "flow", "cps", "sage", "ode"] = "sage"
+    eta: float = Field(0.5, ge=0)
+    steps: int = Field(20, ge=1)
+    shift: float = Field(5.0, gt=0)
+    window: tuple[int, int] | None = None
+
+    @model_validator(mode="after")
+    def _window_inside_schedule(self) -> "SDEConfig":
+        if self.window is not None:
+            start, end = self.window
+            if not 0 <= start < end <= self.steps:
+                raise ValueError(f"window must satisfy 0 <= start < end <= steps={self.steps}, got {self.window}")
+        return self
+
+    @property
+    def sde_variant(self) -> str:
+        # With eta = 0 every variant of sde_step is the same Euler step, so 'ode' can borrow any of them.
+        return "sage" if self.variant == "ode" else self.variant
+
+    def step_etas(self) -> list[float]:
+        """The exploration scale of every step: ``eta`` inside the window, 0 (deterministic) elsewhere."""
+        start, end = self.window or (0, self.steps)
+        stochastic = self.variant != "ode"
+        return [self.eta if stochastic and start <= t < end else 0.0 for t in range(self.steps)]
+
+
+@dataclass
+class Rollout:
+    """N = P x G samples in prompt-major order (sample n renders prompt n // G). Tensors are float32 on the model's
+    device except ``videos`` (uint8, CPU) and the index tensors (CPU)."""
+
+    prompts: list[str]  # P prompts; the samples of one prompt form one GRPO group
+    embeddings: PromptEmbeddings  # of the P prompts
+    sde_config: SDEConfig
+    sigmas: torch.Tensor  # [T+1], from 1 to 0
+    step_etas: torch.Tensor  # [T], 0 on deterministic steps
+    stds: torch.Tensor  # [T], the noise std of each step; 0 on deterministic steps
+    trained_steps: torch.Tensor  # [T] bool: the stochastic steps, the only ones with a policy gradient
+    prompt_index: torch.Tensor  # [N] long: position of the sample's prompt in ``prompts`` (its group)
+    group_ids: torch.Tensor  # [N] long: the caller's id of that group, part of the sample's seed
+    member_index: torch.Tensor  # [N] long: 0..G-1 within the group
+    latents: torch.Tensor  # [N, T+1, C, F, H, W]: initial noise, then the latents after every step
+    means: torch.Tensor  # [N, T, C, F, H, W]: mean of each step's Gaussian
+    log_probs: torch.Tensor  # [N, T]: log-density of each recorded transition; 0 on deterministic steps
+    videos: torch.Tensor | None  # [N, F, H, W, 3] uint8, or None when not decoded
+    batches: list[torch.Tensor]  # the sample indices of each transformer batch, in order
+
+    @property
+    def num_samples(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def group_size(self) -> int:
+        return self.num_samples // len(self.prompts)
+
+    @property
+    def sample_prompts(self) -> list[str]:
+        return [self.prompts[i] for i in self.prompt_index.tolist()]
+
+    def sample_embeddings(self, index: torch.Tensor | Sequence[int]) -> PromptEmbeddings:
+        """The prompt embeddings of samples ``index``."""
+        return self.embeddings.select(self.prompt_index[torch.as_tensor(index, dtype=torch.long)])
+
+
+@dataclass(frozen=True)
+class StepScores:
+    log_probs: torch.Tensor  # [n, S]
+    means: torch.Tensor  # [n, S, C, F, H, W]
+
+
+def sample_seed(seed: int, group_id: int, member: int) -> int:
+    """A 63-bit seed for one sample, stable across runs, machines and Python versions (unlike ``hash``)."""
+    digest = hashlib.sha256(f"{seed}/{group_id}/{member}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+@torch.no_grad()
+def generate(
+    adapter: VideoModelAdapter,
+    prompts: list[str],
+    group_size: int,
+    sde_config: SDEConfig,
+    seed: int,
+    *,
+    prompt_ids: Sequence[int] | None = None,
+    batch_size: int = 4,
+    decode: bool = True,
+    progress: bool = True,
+) -> Rollout:
+    """Roll out ``group_size`` samples for each prompt. ``prompt_ids`` name the groups (default 0..P-1) and must be
+    unique across ranks within a step, or two ranks would draw the same samples. ``batch_size`` samples share a
+    transformer call; the progress bar shows on rank 0 only."""
+    if group_size < 1 or batch_size < 1:
+        raise ValueError(f"group_size and batch_size must be >= 1, got {group_size} and {batch_size}")
+    prompt_ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
+    if len(prompt_ids) != len(prompts):
+        raise ValueError(f"{len(prompt_ids)} prompt_ids for {len(prompts)} prompts")
+
+    sigmas = adapter.sigma_schedule(sde_config.steps, sde_config.shift).to(adapter.device)
+    step_etas = sde_config.step_etas()
+    embeddings = adapter.encode_prompts(prompts)
+
+    prompt_index = torch.arange(len(prompts)).repeat_interleave(group_size)
+    member_index = torch.arange(group_size).repeat(len(prompts))
+    group_ids = torch.as_tensor(prompt_ids, dtype=torch.long)[prompt_index]
+    seeds = [sample_seed(seed, int(group), int(member)) for group, member in zip(group_ids, member_index)]
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    batches = list(torch.arange(len(prompt_index)).split(batch_size))
+
+    bar = tqdm(total=len(batches) * sde_config.steps, desc="rollout", disable=not (progress and _is_main_rank()))
+    chains = []
+    for batch in batches:
+        chain = _denoise(
+            adapter,
+            embeddings.select(prompt_index[batch]),
+            [generators[i] for i in batch],
+            sigmas,
+            step_etas,
+            sde_config.sde_variant,
+            on_step=bar.update,
+        )
+        chains.append(chain)
+    bar.close()
+
+    latents = torch.cat([c["latents"] for c in chains])
+    stds = chains[0]["stds"]  # a function of the schedule alone: the same for every batch
+    videos = _decode_in_batches(adapter, latents[:, -1], batches) if decode else None
+    return Rollout(
+        prompts=list(prompts),
+        embeddings=embeddings,
+        sde_config=sde_config,
+        sigmas=sigmas,
+        step_etas=torch.tensor(step_etas, dtype=torch.float32),
+        stds=stds,
+        trained_steps=stds.cpu() > 0,
+        prompt_index=prompt_index,
+        group_ids=group_ids,
+        member_index=member_index,
+        latents=latents,
+        means=torch.cat([c["means"] for c in chains]),
+        log_probs=torch.cat([c["log_probs"] for c in chains]),
+        videos=videos,
+        batches=batches,
+    )
+
+
+def _denoise(adapter, embeddings, generators, sigmas, step_etas, variant, on_step) -> dict[str, torch.Tensor]:
+    """One batch through every step: latents [B, T+1, ...], means [B, T, ...], log_probs [B, T] and stds [T]."""
+    x = _per_sample_noise(generators, adapter.latent_shape(), adapter.device)
+    latents, means, log_probs, stds = [x], [], [], []
+    for t, eta in enumerate(step_etas):
+        sigma, sigma_next = _step_sigmas(sigmas, t, len(x))
+        velocity = adapter.predict_velocity(x, sigma, embeddings)
+        # Drawn on deterministic steps too, so that step t's noise does not depend on the window.
+        noise = _per_sample_noise(generators, adapter.latent_shape(), adapter.device)
+        # sde_step draws from one generator per batch; here each sample has its own, so take the step's Gaussian from
+        # sde_step (prev_sample is a placeholder) and sample it ourselves, scoring exactly as sde_step would.
+        gaussian = sde_step(variant, velocity, x, sigma, sigma_next, eta, prev_sample=x)
+        x = gaussian.mean + gaussian.std * noise
+        latents.append(x)
+        means.append(gaussian.mean)
+        log_probs.append(gaussian_log_prob(x, gaussian.mean, gaussian.std))
+        stds.append(gaussian.std.flatten()[0])
+        on_step()
+    return {
+        "latents": torch.stack(latents, dim=1),
+        "means": torch.stack(means, dim=1),
+        "log_probs": torch.stack(log_probs, dim=1),
+        "stds": torch.stack(stds).float(),
+    }
+
+
+def _per_sample_noise(generators, shape, device) -> torch.Tensor:
+    # Drawn on the CPU: the same seed gives the same noise on every device type.
+    return torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]).to(device)
+
+
+def _step_sigmas(sigmas: torch.Tensor, t: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample sigma and sigma_next of step t, shaped [B] as the update stage passes them (same numerics)."""
+    return sigmas[t].expand(batch), sigmas[t + 1].expand(batch)
+
+
+def _decode_in_batches(adapter, final_latents: torch.Tensor, batches: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([adapter.decode(final_latents[batch.to(final_latents.device)]) for batch in batches])
+
+
+def recompute_log_probs(
+    adapter: VideoModelAdapter,
+    rollout: Rollout,
+    steps: Sequence[int],
+    sample_index: torch.Tensor | Sequence[int] | None = None,
+    module: torch.nn.Module | None = None,
+) -> StepScores:
+    """Log-probs and means of the recorded transitions at ``steps`` under ``module`` (default: the adapter's
+    transformer), for all samples in the rollout's own batches, or for ``sample_index`` as one batch.
+
+    Runs under the caller's grad mode: under ``torch.enable_grad`` the log-probs carry the policy gradient.
+    """
+    batches = rollout.batches if sample_index is None else [torch.as_tensor(sample_index, dtype=torch.long)]
+    log_probs, means = [], []
+    for batch in batches:
+        embeddings = rollout.sample_embeddings(batch)
+        on_device = batch.to(rollout.latents.device)
+        batch_log_probs, batch_means = [], []
+        for t in steps:
+            x = rollout.latents[on_device, t]
+            sigma, sigma_next = _step_sigmas(rollout.sigmas, t, len(batch))
+            velocity = adapter.predict_velocity(x, sigma, embeddings, module=module)
+            step = sde_step(
+                rollout.sde_config.sde_variant,
+                velocity,
+                x,
+                sigma,
+                sigma_next,
+                float(rollout.step_etas[t]),
+                prev_sample=rollout.latents[on_device, t + 1],
+            )
+            batch_log_probs.append(step.log_prob)
+            batch_means.append(step.mean)
+        log_probs.append(torch.stack(batch_log_probs, dim=1))
+        means.append(torch.stack(batch_means, dim=1))
+    return StepScores(log_probs=torch.cat(log_probs), means=torch.cat(means))
+
+
+def _is_main_rank() -> bool:
+    distributed = torch.distributed
+    return not (distributed.is_available() and distributed.is_initialized()) or distributed.get_rank() == 0
