@@ -121,6 +121,7 @@ class CheckpointConfig(BaseModel):
 
     # A local path, file:///abs/path or s3://bucket/prefix; None: <output_dir>/checkpoints.
     uri: str | None = None
+    every: int = Field(0, ge=0)               # iterations between checkpoints; 0: only at the end and on preemption
     keep_last: int = Field(3, ge=2)           # see CheckpointStore.prune for why never fewer than two
     best_metric: str | None = None            # also keep the best step by this key of the manifest's extra
     higher_is_better: bool = True

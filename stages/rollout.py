@@ -125,6 +125,7 @@ def generate(
     batch_size: int = 4,
     decode: bool = True,
     progress: bool = True,
+    embeddings: PromptEmbeddings | None = None,
 ) -> Rollout:
     """Roll out ``group_size`` samples for each prompt. ``prompt_ids`` name the groups (default 0..P-1) and must be
     unique across ranks within a step, or two ranks would draw the same samples. ``batch_size`` samples share a
@@ -137,7 +138,8 @@ def generate(
 
     sigmas = adapter.sigma_schedule(sde_config.steps, sde_config.shift).to(adapter.device)
     step_etas = sde_config.step_etas()
-    embeddings = adapter.encode_prompts(prompts)
+    if embeddings is None:  # callers with an embedding cache pass the prompts' embeddings in
+        embeddings = adapter.encode_prompts(prompts)
 
     prompt_index = torch.arange(len(prompts)).repeat_interleave(group_size)
     member_index = torch.arange(group_size).repeat(len(prompts))
@@ -146,7 +148,7 @@ def generate(
     generators = [torch.Generator().manual_seed(s) for s in seeds]
     batches = list(torch.arange(len(prompt_index)).split(batch_size))
 
-    bar = tqdm(total=len(batches) * sde_config.steps, desc="rollout", disable=not (progress and _is_main_rank()))
+    bar = tqdm(total=len(batches) * sde_config.steps, desc="rollout", leave=False, disable=not (progress and _is_main_rank()))
     chains = []
     for batch in batches:
         chain = _denoise(

@@ -178,7 +178,11 @@ class Updater:
     def update(self, rollout, advantages: Advantages) -> dict[str, float]:
         weights = self._timestep_weights(rollout)
         totals = _Totals()
-        for transition in self._transitions(rollout):
+        transitions = self._transitions(rollout)
+        if len(transitions) != self.engine.gradient_accumulation_steps():
+            raise ValueError(f"{len(transitions)} micro-steps in this rollout, but the engine accumulates "
+                             f"{self.engine.gradient_accumulation_steps()}: roll out with batch_size = micro_batch_size")
+        for transition in transitions:
             loss, parts = self._micro_step(rollout, advantages, weights, transition)
             self.engine.backward(loss)
             self.engine.step()
@@ -188,8 +192,8 @@ class Updater:
         return self._finish_update(totals, weights, rollout)
 
     def _transitions(self, rollout) -> list[Transition]:
-        samples = torch.arange(rollout.latents.shape[0])
-        chunks = samples.split(self.config.micro_batch_size)
+        # The rollout's own transformer batches: the same batch composition reproduces its log-probs bit for bit.
+        chunks = rollout.batches
         steps = [int(t) for t in torch.nonzero(rollout.trained_steps).flatten()]
         pairs = [Transition(chunk, step) for chunk in chunks for step in steps]
         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(self.config.seed + self.updates_done))

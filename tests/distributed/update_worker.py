@@ -55,7 +55,8 @@ def main():
     # Each rank rolls out its own prompts' groups; per-sample seeds make them the samples a single process draws.
     per_rank = len(PROMPTS) // world
     mine = list(range(rank * per_rank, (rank + 1) * per_rank))
-    local_rollout = generate(adapter, [PROMPTS[i] for i in mine], GROUP_SIZE, sde_config, seed=7, prompt_ids=mine)
+    local_rollout = generate(adapter, [PROMPTS[i] for i in mine], GROUP_SIZE, sde_config, seed=7, prompt_ids=mine,
+                             batch_size=1)
     rewards = torch.tensor(REWARDS).view(len(PROMPTS), GROUP_SIZE)[mine].flatten()
     local_advantages = group_advantages(rewards, local_rollout.group_ids)
     samples_per_rank = per_rank * GROUP_SIZE

@@ -1,0 +1,98 @@
+"""The run's one config schema. Each component owns its section's model next to its code; this file assembles
+them and checks what no single section can: combinations that cannot work together.
+
+Everything here is validated before any model loads; a problem is one line naming the key (``pipeline.errors``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pipeline import config_loading
+from pipeline.lora import LoraConfig
+from pipeline.rewards.registry import RewardSpec
+from pipeline.storage import CheckpointConfig
+from pipeline.tracking import TrackingConfig
+from stages.ingest import DataConfig
+from stages.rollout import SDEConfig
+from stages.update import TrustRegionConfig, UpdateConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Section):
+    name: str = "tiny-hunyuan15"              # registry name (pipeline.models) or "package.module:factory"
+    pretrained: str | None = None             # local directory or hub id, for the real models
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    guidance_scale: float = Field(1.0, ge=1.0)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class RolloutConfig(_Section):
+    group_size: int = Field(4, ge=2)          # G: a group of one has no baseline
+    prompts_per_rank: int = Field(2, ge=1)
+    batch_size: int = Field(4, ge=1)          # samples per transformer call during sampling
+
+
+class DeepSpeedConfig(_Section):
+    config: str = "zero3"                     # a name in deepspeed_configs/ or a path to a JSON
+    precision: Literal["auto", "bf16", "fp32"] = "auto"   # auto: bf16 on GPU, fp32 on CPU
+    collective_timeout_minutes: float = Field(30.0, gt=0)
+
+
+class EvalConfig(_Section):
+    every: int = Field(0, ge=0)               # iterations between evaluations; 0 disables
+    num_prompts: int = Field(4, ge=1)
+    seed: int = 1234
+    metrics: list[RewardSpec] = Field(default_factory=list)   # extra metrics (e.g. clipscore) beside the rewards
+    write_videos: int = Field(2, ge=0)
+
+
+class RunSection(_Section):
+    name: str = "sage-grpo"
+    output_dir: str = "runs/sage-grpo"
+    max_iterations: int = Field(10, ge=1)
+    time_budget_minutes: float | None = Field(None, gt=0)
+
+
+class RunConfig(_Section):
+    seed: int = 0
+    run: RunSection = Field(default_factory=RunSection)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sde: SDEConfig = Field(default_factory=SDEConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="brightness")], min_length=1)
+    update: UpdateConfig = Field(default_factory=UpdateConfig)
+    trust_region: TrustRegionConfig = Field(default_factory=TrustRegionConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
+    data: DataConfig
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @model_validator(mode="after")
+    def _combinations(self):
+        lora_keys = self.lora.model_fields_set - {"enabled"}
+        if not self.lora.enabled and lora_keys:
+            raise ValueError(f"lora.{sorted(lora_keys)[0]} is set but lora.enabled is false")
+        samples = self.rollout.prompts_per_rank * self.rollout.group_size
+        if samples % self.update.micro_batch_size:
+            raise ValueError(f"update.micro_batch_size={self.update.micro_batch_size} does not divide the "
+                             f"{samples} samples per rank (rollout.prompts_per_rank x rollout.group_size)")
+        if self.sde.variant == "ode":
+            raise ValueError("sde.variant=ode has no log-probabilities to train on; use dance, flow, cps or sage")
+        return self
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.run.output_dir)
+
+
+def load_run_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    return config_loading.load(RunConfig, path, overrides)
