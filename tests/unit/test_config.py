@@ -1,0 +1,68 @@
+"""The run config: every shipped YAML validates, and bad input is one line naming the key, exit 2."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import load_run_config
+from pipeline.errors import UserError
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_validates(path):
+    config = load_run_config(path)
+    assert config.rollout.group_size >= 2
+
+
+def test_paper_configs_hold_the_papers_settings():
+    config = load_run_config(REPO / "configs" / "hunyuanvideo15_sage_lora.yaml")
+    assert (config.sde.steps, config.sde.shift, config.sde.eta, config.model.guidance_scale) == (20, 5.0, 0.5, 6.0)
+    assert config.rewards[0].explicit_weights() == {"VQ": 0.5, "MQ": 0.5, "TA": 1.0}
+    assert config.trust_region.strategy.value == "dual" and config.update.learning_rate == 1e-5
+    baselines = {p.stem.split("_")[1]: load_run_config(p) for p in CONFIGS if p.stem.endswith("_lora")}
+    assert set(baselines) == {"sage", "dance", "flow", "cps"}
+    for name, other in baselines.items():
+        assert other.sde.variant == name
+        assert other.model_dump(exclude={"sde", "run", "checkpoint"}) == config.model_dump(
+            exclude={"sde", "run", "checkpoint"})
+
+
+def test_overrides_are_typed():
+    config = load_run_config(REPO / "configs" / "demo.yaml", ["sde.eta=0.3", "lora.enabled=true", "lora.rank=8",
+                                                              "eval.every=0"])
+    assert config.sde.eta == 0.3 and config.lora.rank == 8 and config.eval.every == 0
+
+
+@pytest.mark.parametrize("override,key", [
+    ("rollout.group_size=1", "rollout.group_size"),
+    ("sde.variant=ddim", "sde.variant"),
+    ("update.learning_rate=fast", "update.learning_rate"),
+    ("update.lr=1e-4", "update.lr"),
+    ("lora.rank=8", "lora.rank"),
+    ("update.micro_batch_size=3", "update.micro_batch_size"),
+    ("sde=5", "sde"),
+    ("nonsense", "nonsense"),
+])
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(UserError) as error:
+        load_run_config(REPO / "configs" / "demo.yaml", [override])
+    assert key in str(error.value) and "\n" not in str(error.value)
+
+
+def test_cli_rejects_before_loading_any_model():
+    result = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(REPO / "configs" / "demo.yaml"),
+                             "trust_region.strategy=sometimes"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "trust_region.strategy" in result.stderr
+
+
+def test_missing_config_file_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_run_config(tmp_path / "nope.yaml")
