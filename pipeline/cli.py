@@ -100,6 +100,8 @@ def _add_components(subparsers) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sagegrpo", description="SAGE-GRPO fine-tuning for text-to-video diffusion models")
+    # The deepspeed launcher appends --local_rank; the local rank is read from LOCAL_RANK, which it also sets.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_run(subparsers)
     _add_eval(subparsers)
