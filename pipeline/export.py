@@ -1,0 +1,154 @@
+"""Export the trained policy in diffusers formats: the LoRA adapter, or the whole transformer.
+
+Both work on a module partitioned by ZeRO-3: every rank must call them (the gathers are collectives), rank 0 writes.
+
+- ``export_lora``: ``pytorch_lora_weights.safetensors`` with diffusers' ``transformer.`` key prefix and the peft
+  config in the file's ``lora_adapter_metadata`` (what ``LoraBaseMixin.save_lora_weights`` writes). diffusers
+  0.42's ``HunyuanVideo15Pipeline`` has no LoRA loader mixin, so there is no ``pipe.load_lora_weights``; load it on
+  the transformer instead::
+
+      pipe = HunyuanVideo15Pipeline.from_pretrained(base)
+      pipe.transformer.load_lora_adapter(export_dir, weight_name="pytorch_lora_weights.safetensors")
+
+  (``prefix="transformer"`` is the default; without ``weight_name`` or ``use_safetensors=True`` this method only
+  looks for a pickled ``.bin``.) The metadata matters: without it diffusers assumes ``lora_alpha == r`` and scales a differently configured
+  adapter wrongly.
+- ``export_full``: ``config.json`` and ``diffusion_pytorch_model*.safetensors`` (sharded with an index above 10 GB),
+  loadable with ``HunyuanVideo15Transformer3DModel.from_pretrained(export_dir)``.
+
+Each export also holds ``export.json`` (kind and sha256 of every file), and appears at ``out_dir`` whole or not at
+all: it is written into a temporary sibling directory that is renamed into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import safetensors.torch
+import torch
+from huggingface_hub import save_torch_state_dict
+
+from pipeline import distributed
+from pipeline.lora import ADAPTER_NAME
+from pipeline.storage import _fsync_dirs, _move_into_place, _sha256_and_size
+
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
+TRANSFORMER_PREFIX = "transformer"  # the component name diffusers' LoRA loaders filter keys by
+EXPORT_MANIFEST = "export.json"
+# diffusers' own names, so that ModelMixin.from_pretrained finds the weights and the shard index.
+FULL_WEIGHTS_PATTERN = "diffusion_pytorch_model{suffix}.safetensors"
+MAX_SHARD_SIZE = "10GB"  # diffusers' save_pretrained default
+
+ExportKind = Literal["lora", "full"]
+
+
+def export_lora(transformer: torch.nn.Module, out_dir: str | Path) -> Path | None:
+    """Write the ``default`` LoRA adapter of ``transformer`` to ``out_dir``; the path on rank 0, None elsewhere."""
+    peft_config = getattr(transformer, "peft_config", {}).get(ADAPTER_NAME)
+    if peft_config is None:
+        raise ValueError(f"{type(transformer).__name__} has no LoRA adapter named {ADAPTER_NAME!r} to export")
+    weights = _gathered_adapter_state(transformer)
+    if not distributed.is_main():
+        return None
+    prefixed = {f"{TRANSFORMER_PREFIX}.{name}": tensor for name, tensor in weights.items()}
+    metadata = {"format": "pt", "lora_adapter_metadata": _adapter_metadata(peft_config)}
+    with _atomic_directory(out_dir) as staging:
+        safetensors.torch.save_file(prefixed, staging / LORA_WEIGHT_NAME, metadata=metadata)
+        _write_export_manifest(staging, "lora")
+    return Path(out_dir)
+
+
+def export_full(engine_or_module, out_dir: str | Path) -> Path | None:
+    """Write the whole transformer of a DeepSpeed engine (consolidated from ZeRO-3 shards) or of a plain module."""
+    module = getattr(engine_or_module, "module", engine_or_module)
+    if getattr(module, "peft_config", None):
+        raise ValueError("the model carries LoRA adapters: export them with export_lora, not as full weights")
+    state = _full_state_dict(engine_or_module, module)
+    if not distributed.is_main():
+        return None
+    with _atomic_directory(out_dir) as staging:
+        module.save_config(staging)
+        # Not module.save_pretrained: diffusers' version takes no state_dict and would save the empty ZeRO-3 shards.
+        save_torch_state_dict(state, staging, filename_pattern=FULL_WEIGHTS_PATTERN, max_shard_size=MAX_SHARD_SIZE)
+        _write_export_manifest(staging, "full")
+    return Path(out_dir)
+
+
+def read_export_manifest(export_dir: str | Path) -> dict:
+    """``export.json`` of an export, after checking every file it lists against its sha256 (ValueError if not)."""
+    export_dir = Path(export_dir)
+    manifest_path = export_dir / EXPORT_MANIFEST
+    if not manifest_path.is_file():
+        raise ValueError(f"{export_dir} is not an export: {EXPORT_MANIFEST} is missing")
+    manifest = json.loads(manifest_path.read_text())
+    for name, expected in manifest["files"].items():
+        path = export_dir / name
+        if not path.is_file() or _sha256_and_size(path)[0] != expected:
+            raise ValueError(f"{path} is missing or does not match the sha256 in {EXPORT_MANIFEST}")
+    return manifest
+
+
+def _gathered_adapter_state(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's weights in peft's key format, whole, copied to CPU; under ZeRO-3 gathered on every rank."""
+    from peft.utils import get_peft_model_state_dict
+
+    adapter_params = [param for name, param in transformer.named_parameters() if ".lora_" in name]
+    # modifier_rank=None: read-only, every rank gets the full tensors and nothing is scattered back afterwards.
+    with _gathered(adapter_params, modifier_rank=None):
+        state = get_peft_model_state_dict(transformer, adapter_name=ADAPTER_NAME)
+        return {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in state.items()}
+
+
+def _full_state_dict(engine_or_module, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    if _is_zero3_engine(engine_or_module):
+        # DeepSpeed's own consolidation: one layer gathered at a time, so rank 0 never holds two copies on GPU.
+        return engine_or_module._zero3_consolidated_16bit_state_dict()
+    return {name: tensor.detach().cpu() for name, tensor in module.state_dict().items()}
+
+
+def _is_zero3_engine(engine_or_module) -> bool:
+    partitioned = getattr(engine_or_module, "zero_optimization_partition_weights", None)
+    return partitioned is not None and partitioned()
+
+
+def _gathered(params: list[torch.nn.Parameter], modifier_rank: int | None) -> contextlib.AbstractContextManager:
+    if any(hasattr(param, "ds_tensor") for param in params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
+    return contextlib.nullcontext()
+
+
+def _adapter_metadata(peft_config) -> str:
+    """The peft config as diffusers stores it: JSON, keys prefixed by the component name, sets as lists."""
+    config = {
+        f"{TRANSFORMER_PREFIX}.{key}": sorted(value) if isinstance(value, set) else value
+        for key, value in peft_config.to_dict().items()
+    }
+    return json.dumps(config, indent=2, sort_keys=True)
+
+
+def _write_export_manifest(directory: Path, kind: ExportKind) -> None:
+    files = {path.name: _sha256_and_size(path)[0] for path in sorted(directory.iterdir()) if path.is_file()}
+    (directory / EXPORT_MANIFEST).write_text(json.dumps({"kind": kind, "files": files}, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def _atomic_directory(out_dir: str | Path) -> Iterator[Path]:
+    """A fresh sibling directory to write into; on success it replaces ``out_dir``, on failure it is removed."""
+    target = Path(out_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+    staging.mkdir()
+    try:
+        yield staging
+        _fsync_dirs(staging)
+        _move_into_place(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # nothing left there once it has been moved into place

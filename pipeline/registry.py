@@ -1,0 +1,413 @@
+"""The MLflow model registry: exports become model versions, and a promotion gate moves the ``champion`` alias.
+
+Recipe::
+
+    version = register_export(client, "t2v-policy", export_dir, run_id, metrics, export_key(run_id, step),
+                              base_model="hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v")   # alias "challenger"
+    decision = promote(client, "t2v-policy", primary_metric="eval/reward", min_improvement=0.01,
+                       guarded={"eval/aesthetic": 0.05})                                      # maybe "champion"
+    policy = load_registered_policy("models:/t2v-policy@champion")
+    videos = policy.predict(["a red fox runs through snow"], params={"seed": 0})              # uint8 [B, F, H, W, 3]
+
+Aliases, never the deprecated stages. Each version is an MLflow pyfunc (:class:`VideoPolicyModel`) holding the export
+(LoRA adapter or full transformer) and the name of the base model it applies to; ``predict`` generates videos.
+Serving it needs this package installed: the pyfunc refers to :class:`VideoPolicyModel` by import path.
+
+Integrity: every file of the logged model is listed with its sha256 in ``sha256sums.json``, whose own digest is a tag
+of the model version. The registry database, not the artifact store, is the trust anchor: someone who can write to
+the bucket can rewrite the files and their list, but not the tag. :func:`load_registered_policy` checks all of it
+before MLflow unpickles anything.
+
+Idempotence: a version is created with all its tags in one call, ``export_key`` among them, and
+:func:`register_export` looks for that key before creating, so a rerun after a crash at any point finds the version
+instead of creating a second one, then sets what is missing. :func:`promote` sets the same alias and tag again when
+rerun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import numpy as np
+import pandas as pd
+import torch
+from mlflow import MlflowClient
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
+from mlflow.models import ModelSignature
+from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_NOT_EXIST, ErrorCode
+from mlflow.pyfunc import PythonModel
+from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+
+from pipeline.errors import UserError
+from pipeline.export import LORA_WEIGHT_NAME, read_export_manifest
+from pipeline.storage import _sha256_and_size, load_tensors
+
+CHALLENGER = "challenger"
+CHAMPION = "champion"
+EXPORT_KEY_TAG = "export_key"
+ARTIFACTS_SHA256_TAG = "artifacts_sha256"
+BASE_MODEL_TAG = "base_model"
+DECISION_TAG = "promotion_decision"
+METRIC_TAG_PREFIX = "metric."
+MODEL_MANIFEST = "sha256sums.json"
+TINY_BASE_MODEL = "tiny-hunyuan15"
+DEFAULT_PRIMARY_METRIC = "eval/reward"  # what stages/evaluate.py logs for the training rewards
+
+
+# Registration
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def export_key(run_id: str, step: int) -> str:
+    """Names one export: the same run and checkpoint step always give the same key."""
+    return hashlib.sha256(f"{run_id}:{step}".encode()).hexdigest()[:32]
+
+
+def register_export(client: MlflowClient, model_name: str, export_dir: str | Path, run_id: str,
+                    metrics: dict[str, float], export_key: str, *, base_model: str) -> ModelVersion:
+    """Register a verified export (see :mod:`pipeline.export`) as a version of ``model_name`` tagged with its eval
+    metrics, and point the ``challenger`` alias at it. Rerunning with the same ``export_key`` creates nothing new."""
+    kind = read_export_manifest(export_dir)["kind"]  # refuses an incomplete or corrupted export
+    _ensure_registered_model(client, model_name)
+    version = _version_with_export_key(client, model_name, export_key)
+    if version is None:
+        artifact_path, artifacts_sha256 = _log_policy(client, run_id, export_dir, kind, base_model, export_key)
+        tags = {EXPORT_KEY_TAG: export_key, ARTIFACTS_SHA256_TAG: artifacts_sha256, BASE_MODEL_TAG: base_model,
+                **_metric_tags(metrics)}
+        # All tags in the creating call: a version never exists without its key, digest and metrics.
+        version = client.create_model_version(model_name, f"runs:/{run_id}/{artifact_path}", run_id=run_id, tags=tags)
+    client.set_registered_model_alias(model_name, CHALLENGER, version.version)
+    return client.get_model_version(model_name, version.version)
+
+
+def _ensure_registered_model(client: MlflowClient, model_name: str) -> None:
+    try:
+        client.create_registered_model(model_name)
+    except MlflowException as error:
+        if error.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+            raise
+
+
+def _version_with_export_key(client: MlflowClient, model_name: str, key: str) -> ModelVersion | None:
+    found = client.search_model_versions(f"name = {_quoted(model_name)} and tags.{EXPORT_KEY_TAG} = {_quoted(key)}")
+    return min(found, key=lambda version: int(version.version)) if found else None
+
+
+def _quoted(text: str) -> str:
+    if "'" in text:
+        raise UserError(f"{text!r}: names with a single quote cannot be searched in the MLflow registry")
+    return f"'{text}'"
+
+
+def _metric_tags(metrics: dict[str, float]) -> dict[str, str]:
+    return {f"{METRIC_TAG_PREFIX}{name}": repr(float(value)) for name, value in metrics.items()}
+
+
+def _log_policy(client: MlflowClient, run_id: str, export_dir: str | Path, kind: str, base_model: str,
+                key: str) -> tuple[str, str]:
+    """Save the pyfunc locally, list its files' sha256, upload it under the run; its path and the list's digest.
+
+    The path depends on the export key only, so a rerun after a crash overwrites the same files instead of leaving
+    an orphan copy."""
+    artifact_path = f"policy-{key[:12]}"
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = Path(scratch) / artifact_path
+        mlflow.pyfunc.save_model(
+            model_dir, python_model=VideoPolicyModel(), artifacts={"export": str(export_dir)},
+            model_config={"base_model": base_model, "kind": kind}, signature=_SIGNATURE,
+            # Explicit: inferring them would import and run the model in a subprocess.
+            pip_requirements=_requirements(),
+        )
+        artifacts_sha256 = _write_model_manifest(model_dir)
+        client.log_artifacts(run_id, str(model_dir), artifact_path)
+    return artifact_path, artifacts_sha256
+
+
+def _requirements() -> list[str]:
+    """The versions this was registered with. Not torch: which build to install depends on the serving machine."""
+    from importlib.metadata import version
+
+    return [f"{package}=={version(package)}" for package in ("diffusers", "peft", "safetensors", "transformers")]
+
+
+def _write_model_manifest(model_dir: Path) -> str:
+    sums = {path.relative_to(model_dir).as_posix(): _sha256_and_size(path)[0]
+            for path in sorted(model_dir.rglob("*")) if path.is_file()}
+    manifest = model_dir / MODEL_MANIFEST
+    manifest.write_text(json.dumps(sums, indent=2, sort_keys=True) + "\n")
+    return _sha256_and_size(manifest)[0]
+
+
+# Loading
+# ----------------------------------------------------------------------------------------------------------------
+
+
+# MLflow passes ``params`` to predict only when the signature declares them; sizes are the base model's defaults.
+_SIGNATURE = ModelSignature(
+    inputs=Schema([ColSpec("string")]),  # unnamed: a plain list of prompts is a valid input
+    params=ParamSchema([ParamSpec("num_inference_steps", "integer", 50), ParamSpec("seed", "integer", 0)]),
+)
+
+
+class VideoPolicyModel(PythonModel):
+    """The trained policy as an MLflow pyfunc: ``predict(prompts, params)`` returns videos as uint8
+    ``[batch, frames, height, width, 3]``.
+
+    ``prompts``: a list of strings (or a one-column DataFrame of them). ``params``: ``num_inference_steps``
+    (50) and ``seed`` (0). Height, width and frame count are the base model's defaults (32x32x5 for the tiny one).
+    """
+
+    def load_context(self, context) -> None:
+        from pipeline.models import build_adapter
+
+        export_dir = Path(context.artifacts["export"])
+        read_export_manifest(export_dir)  # a corrupted weight file fails here, not as garbage videos
+        base_model = context.model_config["base_model"]
+        if base_model == TINY_BASE_MODEL:
+            self.adapter = build_adapter(TINY_BASE_MODEL)
+        else:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.adapter = build_adapter("hunyuan15", path_or_hub_id=base_model, device=device)
+        _apply_export(self.adapter.transformer, export_dir, context.model_config["kind"])
+
+    # DataFrame: what MLflow makes of any input under _SIGNATURE. The hint also keeps MLflow from inferring a
+    # signature of its own, which would drop the params.
+    def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> np.ndarray:
+        params = params or {}
+        adapter = self.adapter
+        result = adapter.pipeline(
+            prompt=[str(text) for text in model_input.iloc[:, 0]],
+            num_inference_steps=int(params.get("num_inference_steps", 50)),
+            height=adapter.height,
+            width=adapter.width,
+            num_frames=adapter.num_frames,
+            generator=torch.Generator(adapter.device).manual_seed(int(params.get("seed", 0))),
+            output_type="np",
+        )
+        return (result.frames * 255).round().clip(0, 255).astype("uint8")
+
+
+def _apply_export(transformer, export_dir: Path, kind: str) -> None:
+    if kind == "lora":
+        transformer.load_lora_adapter(export_dir, weight_name=LORA_WEIGHT_NAME)
+        return
+    weights = {}
+    for shard in sorted(export_dir.glob("diffusion_pytorch_model*.safetensors")):
+        weights |= load_tensors(shard)
+    # strict: a key mismatch must fail loudly, never leave base weights in place.
+    transformer.load_state_dict(weights, strict=True)
+
+
+def load_registered_policy(model_uri: str, *, tracking_uri: str | None = None):
+    """Download ``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``, verify every file against the sha256 list the
+    version's tag vouches for, and load it as a pyfunc. :class:`TamperedArtifactError` if anything differs."""
+    client = MlflowClient(tracking_uri=tracking_uri)
+    version = _version_from_uri(client, model_uri)
+    download_uri = client.get_model_version_download_uri(version.name, version.version)
+    with tempfile.TemporaryDirectory(prefix="policy-") as scratch:
+        # Load the very files that were verified: a second download could fetch different ones.
+        model_dir = Path(mlflow.artifacts.download_artifacts(download_uri, dst_path=scratch,
+                                                             tracking_uri=client.tracking_uri))
+        _verify_model_dir(model_dir, version)
+        return mlflow.pyfunc.load_model(str(model_dir))  # weights are in memory once load_context has run
+
+
+class TamperedArtifactError(UserError):
+    """A registered model's files differ from the sha256 list recorded when it was registered."""
+
+
+def _verify_model_dir(model_dir: Path, version: ModelVersion) -> None:
+    where = f"model {version.name} version {version.version}"
+    manifest = model_dir / MODEL_MANIFEST
+    expected = version.tags.get(ARTIFACTS_SHA256_TAG)
+    if expected is None or not manifest.is_file() or _sha256_and_size(manifest)[0] != expected:
+        raise TamperedArtifactError(f"{where}: {MODEL_MANIFEST} is missing or not the one registered")
+    sums = json.loads(manifest.read_text())
+    present = {path.relative_to(model_dir).as_posix() for path in model_dir.rglob("*") if path.is_file()}
+    unexpected = sorted(present - set(sums) - {MODEL_MANIFEST})
+    changed = sorted(name for name, digest in sums.items()
+                     if name not in present or _sha256_and_size(model_dir / name)[0] != digest)
+    if unexpected or changed:
+        raise TamperedArtifactError(f"{where}: files changed since registration: {changed + unexpected}")
+
+
+def _version_from_uri(client: MlflowClient, model_uri: str) -> ModelVersion:
+    if not model_uri.startswith("models:/"):
+        raise UserError(f"{model_uri!r} is not a registry URI (models:/NAME@ALIAS or models:/NAME/VERSION)")
+    reference = model_uri.removeprefix("models:/")
+    if "@" in reference:
+        name, alias = reference.split("@", 1)
+        version = _aliased_version(client, name, alias)
+        if version is None:
+            raise UserError(f"model {name!r} has no version with alias {alias!r}")
+        return version
+    name, _, number = reference.rpartition("/")
+    return _registry_lookup(lambda: client.get_model_version(name, number), f"{name!r} version {number}")
+
+
+def _aliased_version(client: MlflowClient, model_name: str, alias: str) -> ModelVersion | None:
+    # Through the model's alias map: a missing alias is an ordinary answer here, not an error code to interpret.
+    model = _registry_lookup(lambda: client.get_registered_model(model_name), f"model {model_name!r}")
+    number = model.aliases.get(alias)
+    return None if number is None else client.get_model_version(model_name, number)
+
+
+def _registry_lookup(lookup, what: str):
+    try:
+        return lookup()
+    except MlflowException as error:
+        if error.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+            raise UserError(f"{what} does not exist in the MLflow model registry") from None
+        raise
+
+
+# Promotion
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PromotionDecision:
+    model_name: str
+    version: str
+    champion: str | None  # the champion the candidate was compared with; None when there was none
+    promoted: bool
+    reasons: list[str] = field(default_factory=list)
+    dry_run: bool = False
+
+    def summary(self) -> str:
+        verb = ("would promote" if self.dry_run else "promoted") if self.promoted else \
+            ("would not promote" if self.dry_run else "did not promote")
+        champion = f"champion v{self.champion}" if self.champion else "no champion"
+        return f"{verb} {self.model_name} v{self.version} ({champion}): " + "; ".join(self.reasons)
+
+
+def promote(client: MlflowClient, model_name: str, *, version: str | int | None = None,
+            primary_metric: str = DEFAULT_PRIMARY_METRIC, min_improvement: float = 0.0,
+            guarded: dict[str, float] | None = None, dry_run: bool = False) -> PromotionDecision:
+    """Move ``champion`` to ``version`` (default: the challenger) when its ``primary_metric`` beats the champion's
+    by more than ``min_improvement`` and no ``guarded`` metric drops by more than its tolerance (higher is better
+    for all metrics; a guard the champion has no value for is not checked). The decision is recorded as the
+    version's ``promotion_decision`` tag unless ``dry_run``; rerunning it records the same."""
+    candidate = _candidate(client, model_name, version)
+    champion = _aliased_version(client, model_name, CHAMPION)
+    if champion is not None and champion.version == candidate.version:
+        return PromotionDecision(model_name, candidate.version, champion.version, True,
+                                 ["already the champion"], dry_run)
+    promoted, reasons = _judge(_metrics(candidate), _metrics(champion) if champion else None,
+                               primary_metric, min_improvement, guarded or {})
+    decision = PromotionDecision(model_name, candidate.version, champion.version if champion else None,
+                                 promoted, reasons, dry_run)
+    if not dry_run:
+        _record(client, decision)
+    return decision
+
+
+def _candidate(client: MlflowClient, model_name: str, version: str | int | None) -> ModelVersion:
+    if version is not None:
+        if not str(version).isdigit():
+            raise UserError(f"model version {version!r} is not a version number")
+        return _registry_lookup(lambda: client.get_model_version(model_name, str(version)),
+                                f"{model_name!r} version {version}")
+    challenger = _aliased_version(client, model_name, CHALLENGER)
+    if challenger is None:
+        raise UserError(f"model {model_name!r} has no {CHALLENGER}: pass --version")
+    return challenger
+
+
+def _metrics(version: ModelVersion) -> dict[str, float]:
+    return {key.removeprefix(METRIC_TAG_PREFIX): float(value)
+            for key, value in version.tags.items() if key.startswith(METRIC_TAG_PREFIX)}
+
+
+def _judge(candidate: dict[str, float], champion: dict[str, float] | None, primary_metric: str,
+           min_improvement: float, guarded: dict[str, float]) -> tuple[bool, list[str]]:
+    """Whether the candidate may replace the champion, and why (or why not), one reason per check."""
+    if primary_metric not in candidate:
+        return False, [f"{primary_metric} was not recorded for this version"]
+    if champion is None:
+        return True, [f"first champion ({primary_metric} {candidate[primary_metric]:.4g})"]
+    if primary_metric not in champion:
+        return True, [f"the champion has no {primary_metric} to compare with"]
+    checks = [_primary_check(candidate, champion, primary_metric, min_improvement)]
+    checks += [_guard_check(candidate, champion, metric, tolerance) for metric, tolerance in sorted(guarded.items())
+               if metric in champion]
+    return all(passed for passed, _ in checks), [reason for _, reason in checks]
+
+
+def _primary_check(candidate, champion, metric: str, margin: float) -> tuple[bool, str]:
+    gain = candidate[metric] - champion[metric]
+    passed = gain > margin
+    relation = ">" if passed else "<="
+    return passed, (f"{metric} {candidate[metric]:.4g} vs {champion[metric]:.4g}: gain {gain:+.4g} {relation} "
+                    f"margin {margin:g}")
+
+
+def _guard_check(candidate, champion, metric: str, tolerance: float) -> tuple[bool, str]:
+    if metric not in candidate:
+        return False, f"guarded {metric} was not recorded for this version"
+    drop = champion[metric] - candidate[metric]
+    passed = drop <= tolerance
+    relation = "<=" if passed else ">"
+    return passed, (f"guarded {metric} {candidate[metric]:.4g} vs {champion[metric]:.4g}: drop {drop:.4g} "
+                    f"{relation} tolerance {tolerance:g}")
+
+
+def _record(client: MlflowClient, decision: PromotionDecision) -> None:
+    outcome = "promoted" if decision.promoted else "rejected"
+    # Tag values are capped (5000 characters on most stores); the reasons are short.
+    client.set_model_version_tag(decision.model_name, decision.version, DECISION_TAG,
+                                 f"{outcome}: {'; '.join(decision.reasons)}"[:5000])
+    if decision.promoted:
+        client.set_registered_model_alias(decision.model_name, CHAMPION, decision.version)
+
+
+# Command line
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def register_cli(subparsers) -> None:
+    """Add ``promote`` to the ``sagegrpo`` command line."""
+    parser = subparsers.add_parser("promote", help="move the champion alias to a model version that passes the gate")
+    parser.add_argument("--model", required=True, help="registered model name")
+    parser.add_argument("--version", help="model version to judge (default: the challenger)")
+    parser.add_argument("--primary-metric", default=DEFAULT_PRIMARY_METRIC)
+    parser.add_argument("--margin", type=float, default=0.0, help="the primary metric must improve by more")
+    parser.add_argument("--guard", action="append", default=[], metavar="METRIC=TOL",
+                        help="largest allowed drop of a metric; repeatable")
+    parser.add_argument("--dry-run", action="store_true", help="print the decision, change nothing")
+    parser.add_argument("--tracking-uri", help="MLflow server (default: MLFLOW_TRACKING_URI)")
+    parser.set_defaults(handler=_promote_command)
+
+
+def _promote_command(args: argparse.Namespace) -> int:
+    if args.margin < 0:
+        raise UserError(f"--margin must be >= 0, got {args.margin}")
+    decision = promote(MlflowClient(tracking_uri=args.tracking_uri), args.model, version=args.version,
+                       primary_metric=args.primary_metric, min_improvement=args.margin,
+                       guarded=parse_guards(args.guard), dry_run=args.dry_run)
+    print(decision.summary())
+    return 0
+
+
+def parse_guards(specs: list[str]) -> dict[str, float]:
+    """``["eval/aesthetic=0.05", ...]`` as ``{"eval/aesthetic": 0.05}``."""
+    return dict(_parse_guard(spec) for spec in specs)
+
+
+def _parse_guard(spec: str) -> tuple[str, float]:
+    metric, _, tolerance = spec.rpartition("=")
+    try:
+        value = float(tolerance)
+    except ValueError:
+        value = -1.0
+    if not metric or value < 0:
+        raise UserError(f"--guard {spec!r}: expected METRIC=TOLERANCE with a tolerance >= 0")
+    return metric, value

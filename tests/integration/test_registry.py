@@ -1,0 +1,283 @@
+"""The model registry against a real ``mlflow server`` whose artifacts live on moto's S3 server: registration,
+the promotion gate, idempotent reruns, and loading a registered tiny policy back to generate a video."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import boto3
+import numpy as np
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from pipeline import registry
+from pipeline.errors import UserError
+from pipeline.export import LORA_WEIGHT_NAME, export_full, export_lora
+from pipeline.lora import LoraConfig, add_lora
+from pipeline.models.tiny import tiny_hunyuan15_pipeline
+from pipeline.registry import (
+    CHALLENGER,
+    CHAMPION,
+    DECISION_TAG,
+    MODEL_MANIFEST,
+    TINY_BASE_MODEL,
+    TamperedArtifactError,
+    export_key,
+    load_registered_policy,
+    promote,
+    register_export,
+)
+from tests.integration.conftest import MotoServer
+from tests.integration.mlflow_fixture import MLFLOW, MlflowServer
+
+pytestmark = pytest.mark.integration
+
+S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+PROMPT = "a red fox runs through snow"
+GENERATION = {"num_inference_steps": 2, "seed": 0}
+
+
+class S3ArtifactsMlflowServer(MlflowServer):
+    """``mlflow server --artifacts-destination s3://...`` on a moto endpoint. The shared fixture's server keeps its
+    artifacts on local disk; this one differs only in the destination and the S3 environment of the server."""
+
+    def __init__(self, workdir: Path, endpoint_url: str, bucket: str):
+        super().__init__(workdir)
+        self._s3_environment = {**S3_CREDENTIALS, "MLFLOW_S3_ENDPOINT_URL": endpoint_url}
+        self._destination = f"s3://{bucket}/mlflow"
+
+    def start(self) -> None:
+        command = [
+            str(MLFLOW), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+            "--backend-store-uri", f"sqlite:///{self._workdir / 'mlflow.db'}",
+            "--artifacts-destination", self._destination,
+        ]
+        environment = {**os.environ, **self._s3_environment, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        with open(self._workdir / "mlflow-server.log", "ab") as log:
+            self._process = subprocess.Popen(
+                command, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self._wait_until_healthy()
+
+
+@pytest.fixture(scope="module")
+def s3_artifacts(tmp_path_factory):
+    """(endpoint URL, bucket) of a moto S3 server that holds the MLflow server's artifacts."""
+    moto = MotoServer(tmp_path_factory.mktemp("moto-registry"))
+    moto.start()
+    bucket = f"mlflow-{uuid.uuid4().hex[:8]}"
+    _s3(moto.endpoint_url).create_bucket(Bucket=bucket)
+    try:
+        yield moto.endpoint_url, bucket
+    finally:
+        moto.stop()
+
+
+def _s3(endpoint_url: str):
+    return boto3.client("s3", endpoint_url=endpoint_url, aws_access_key_id="testing",
+                        aws_secret_access_key="testing", region_name="us-east-1")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, s3_artifacts):
+    endpoint_url, bucket = s3_artifacts
+    mlflow_server = S3ArtifactsMlflowServer(tmp_path_factory.mktemp("mlflow-s3"), endpoint_url, bucket)
+    mlflow_server.start()
+    try:
+        yield mlflow_server
+    finally:
+        mlflow_server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> MlflowClient:
+    return MlflowClient(tracking_uri=server.url)
+
+
+@pytest.fixture(scope="module")
+def run_id(client) -> str:
+    experiment = client.create_experiment(f"registry-{uuid.uuid4().hex[:8]}")
+    return client.create_run(experiment).info.run_id
+
+
+@torch.no_grad()
+def perturb(params, scale: float) -> None:
+    """Stand-in for training."""
+    generator = torch.Generator().manual_seed(1)
+    for param in params:
+        param.add_(scale * torch.randn(param.shape, generator=generator))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny pipeline with a perturbed LoRA adapter (the 'trained' policy) and its export."""
+    pipeline = tiny_hunyuan15_pipeline()
+    add_lora(pipeline.transformer, LoraConfig(enabled=True, rank=4, alpha=8.0))
+    perturb((param for param in pipeline.transformer.parameters() if param.requires_grad), scale=0.2)
+    return pipeline, export_lora(pipeline.transformer, tmp_path_factory.mktemp("export") / "lora")
+
+
+@pytest.fixture
+def model_name() -> str:
+    return f"t2v-policy-{uuid.uuid4().hex[:8]}"
+
+
+def register(client, model_name, trained, run_id, step: int, **metrics):
+    _, export_dir = trained
+    return register_export(client, model_name, export_dir, run_id, metrics, export_key(run_id, step),
+                           base_model=TINY_BASE_MODEL)
+
+
+def aliases(client, model_name) -> dict[str, str]:
+    return dict(client.get_registered_model(model_name).aliases)
+
+
+def generate(pipeline) -> np.ndarray:
+    frames = pipeline(prompt=[PROMPT], height=32, width=32, num_frames=5, output_type="np",
+                      num_inference_steps=GENERATION["num_inference_steps"],
+                      generator=torch.Generator().manual_seed(GENERATION["seed"])).frames
+    return (frames * 255).round().clip(0, 255).astype("uint8")
+
+
+def test_registered_policy_loads_from_verified_artifacts_and_generates_the_trained_video(
+        client, model_name, trained, run_id, server):
+    version = register(client, model_name, trained, run_id, step=10, **{"eval/reward": 0.5})
+
+    policy = load_registered_policy(f"models:/{model_name}@{CHALLENGER}", tracking_uri=server.url)
+    video = policy.predict([PROMPT], params=GENERATION)
+
+    assert aliases(client, model_name) == {CHALLENGER: version.version}
+    assert version.tags["metric.eval/reward"] == "0.5" and version.tags["base_model"] == TINY_BASE_MODEL
+    assert video.dtype == np.uint8 and video.shape == (1, 5, 32, 32, 3)
+    np.testing.assert_array_equal(video, generate(trained[0]))  # the trained adapter, not the base model
+    assert not np.array_equal(video, generate(tiny_hunyuan15_pipeline()))
+
+
+def test_a_full_export_registers_and_generates_the_trained_video(client, model_name, run_id, server, tmp_path):
+    pipeline = tiny_hunyuan15_pipeline()
+    perturb(pipeline.transformer.parameters(), scale=0.05)
+    export_dir = export_full(pipeline.transformer, tmp_path / "full")
+    version = register_export(client, model_name, export_dir, run_id, {}, export_key(run_id, 30),
+                              base_model=TINY_BASE_MODEL)
+
+    policy = load_registered_policy(f"models:/{model_name}/{version.version}", tracking_uri=server.url)
+    video = policy.predict([PROMPT], params=GENERATION)
+
+    np.testing.assert_array_equal(video, generate(pipeline))
+    assert not np.array_equal(video, generate(tiny_hunyuan15_pipeline()))
+
+
+def test_artifacts_live_on_s3(client, model_name, trained, run_id, s3_artifacts):
+    register(client, model_name, trained, run_id, step=11)
+    endpoint_url, bucket = s3_artifacts
+
+    keys = [item["Key"] for item in _s3(endpoint_url).list_objects_v2(Bucket=bucket)["Contents"]]
+
+    assert any(key.startswith("mlflow/") and key.endswith(LORA_WEIGHT_NAME) for key in keys)
+
+
+def test_tampered_artifacts_are_detected_at_load(client, model_name, trained, run_id, server, tmp_path):
+    version = register(client, model_name, trained, run_id, step=12)
+    model_path = version.source.removeprefix(f"runs:/{run_id}/")
+    uri = f"models:/{model_name}/{version.version}"
+    sums_file = Path(client.download_artifacts(run_id, f"{model_path}/{MODEL_MANIFEST}", str(tmp_path)))
+    sums = json.loads(sums_file.read_text())
+    [adapter_path] = [name for name in sums if name.endswith(LORA_WEIGHT_NAME)]
+    forged = tmp_path / "forged"
+    forged.mkdir()
+
+    # Someone with write access to the bucket replaces the adapter...
+    (forged / LORA_WEIGHT_NAME).write_bytes((trained[1] / LORA_WEIGHT_NAME).read_bytes()[:-1] + b" ")
+    client.log_artifact(run_id, str(forged / LORA_WEIGHT_NAME), f"{model_path}/{Path(adapter_path).parent}")
+    with pytest.raises(TamperedArtifactError, match=f"files changed since registration: \\['{adapter_path}'\\]"):
+        load_registered_policy(uri, tracking_uri=server.url)
+
+    # ... and rewrites the sha256 list to match: the digest in the registry still tells.
+    sums[adapter_path] = hashlib.sha256((forged / LORA_WEIGHT_NAME).read_bytes()).hexdigest()
+    (forged / MODEL_MANIFEST).write_text(json.dumps(sums))
+    client.log_artifact(run_id, str(forged / MODEL_MANIFEST), model_path)
+    with pytest.raises(TamperedArtifactError, match="not the one registered"):
+        load_registered_policy(uri, tracking_uri=server.url)
+
+
+def test_rerun_after_a_crash_between_create_and_alias_creates_no_second_version(
+        client, model_name, trained, run_id, monkeypatch):
+    def crash(*args, **kwargs):
+        raise RuntimeError("killed before the alias was set")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(client, "set_registered_model_alias", crash)
+        with pytest.raises(RuntimeError, match="killed"):
+            register(client, model_name, trained, run_id, step=20, **{"eval/reward": 0.5})
+    assert aliases(client, model_name) == {}
+
+    version = register(client, model_name, trained, run_id, step=20, **{"eval/reward": 0.5})
+    again = register(client, model_name, trained, run_id, step=20, **{"eval/reward": 0.5})
+
+    assert len(client.search_model_versions(f"name = '{model_name}'")) == 1
+    assert version.version == again.version and aliases(client, model_name) == {CHALLENGER: version.version}
+
+
+def test_promotion_gate_moves_the_champion_only_past_the_margin_and_guards(client, model_name, trained, run_id):
+    gate = {"primary_metric": "eval/reward", "min_improvement": 0.05, "guarded": {"eval/aesthetic": 0.1}}
+    first = register(client, model_name, trained, run_id, step=1, **{"eval/reward": 0.5, "eval/aesthetic": 0.8})
+    decision = promote(client, model_name, **gate)
+    assert decision.promoted and decision.champion is None
+    assert aliases(client, model_name)[CHAMPION] == first.version
+
+    small_gain = register(client, model_name, trained, run_id, step=2, **{"eval/reward": 0.53, "eval/aesthetic": 0.8})
+    decision = promote(client, model_name, **gate)
+    assert not decision.promoted and "margin" in decision.reasons[0]
+    assert client.get_model_version(model_name, small_gain.version).tags[DECISION_TAG].startswith("rejected:")
+
+    uglier = register(client, model_name, trained, run_id, step=3, **{"eval/reward": 0.9, "eval/aesthetic": 0.6})
+    decision = promote(client, model_name, **gate)
+    assert not decision.promoted
+    assert any("guarded eval/aesthetic" in reason and "> tolerance" in reason for reason in decision.reasons)
+    assert "eval/aesthetic" in client.get_model_version(model_name, uglier.version).tags[DECISION_TAG]
+    assert aliases(client, model_name)[CHAMPION] == first.version
+
+    better = register(client, model_name, trained, run_id, step=4, **{"eval/reward": 0.9, "eval/aesthetic": 0.75})
+    decision = promote(client, model_name, **gate)
+    assert decision.promoted and decision.champion == first.version
+    assert aliases(client, model_name) == {CHAMPION: better.version, CHALLENGER: better.version}
+
+    rerun = promote(client, model_name, **gate)
+    assert rerun.promoted and rerun.reasons == ["already the champion"]
+    assert len(client.search_model_versions(f"name = '{model_name}'")) == 4
+
+
+def test_dry_run_changes_nothing(client, model_name, trained, run_id):
+    version = register(client, model_name, trained, run_id, step=1, **{"eval/reward": 0.5})
+
+    decision = promote(client, model_name, dry_run=True)
+
+    assert decision.promoted and decision.dry_run and "would promote" in decision.summary()
+    assert aliases(client, model_name) == {CHALLENGER: version.version}
+    assert DECISION_TAG not in client.get_model_version(model_name, version.version).tags
+
+
+def test_promote_cli_prints_the_decision_and_reports_unknown_models_as_user_errors(
+        client, model_name, trained, run_id, server, capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    registry.register_cli(parser.add_subparsers())
+    run = lambda *argv: (args := parser.parse_args(["promote", "--tracking-uri", server.url, *argv])).handler(args)
+    register(client, model_name, trained, run_id, step=1, **{"eval/reward": 0.5, "eval/aesthetic": 0.8})
+
+    assert run("--model", model_name, "--guard", "eval/aesthetic=0.1", "--margin", "0.01") == 0
+    assert capsys.readouterr().out.startswith(f"promoted {model_name} v1 (no champion): first champion")
+
+    with pytest.raises(UserError, match="does not exist"):
+        run("--model", f"{model_name}-missing")
+    with pytest.raises(UserError, match="version 7 does not exist"):
+        run("--model", model_name, "--version", "7")
+    with pytest.raises(UserError, match="METRIC=TOLERANCE"):
+        run("--model", model_name, "--guard", "eval/aesthetic")

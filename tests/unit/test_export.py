@@ -1,0 +1,119 @@
+"""Exports on tiny HunyuanVideo 1.5: the LoRA adapter and the full transformer load back into fresh models with
+diffusers' own loaders and reproduce the trained model's outputs exactly."""
+
+import json
+
+import pytest
+import torch
+from diffusers import HunyuanVideo15Transformer3DModel
+from safetensors import safe_open
+
+from pipeline.export import EXPORT_MANIFEST, LORA_WEIGHT_NAME, export_full, export_lora, read_export_manifest
+from pipeline.lora import LoraConfig, add_lora
+from pipeline.models.tiny import tiny_hunyuan15_pipeline
+
+pytestmark = pytest.mark.unit
+
+
+def transformer_inputs(transformer) -> dict[str, torch.Tensor]:
+    config = transformer.config
+    generator = torch.Generator().manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, generator=generator)
+    return {
+        "hidden_states": randn(1, config.in_channels, 3, 8, 8),
+        "timestep": torch.tensor([500.0]),
+        "encoder_hidden_states": randn(1, 6, config.text_embed_dim),
+        "encoder_attention_mask": torch.ones(1, 6),
+        "encoder_hidden_states_2": randn(1, 4, config.text_embed_2_dim),
+        "encoder_attention_mask_2": torch.ones(1, 4),
+        "image_embeds": torch.zeros(1, 4, config.image_embed_dim),
+    }
+
+
+@torch.no_grad()
+def output(transformer) -> torch.Tensor:
+    return transformer(**transformer_inputs(transformer), return_dict=False)[0]
+
+
+@torch.no_grad()
+def perturb(params) -> None:
+    """Stand-in for training: random values everywhere (LoRA's B starts at zero, which would hide a lost adapter)."""
+    generator = torch.Generator().manual_seed(1)
+    for param in params:
+        param.add_(0.2 * torch.randn(param.shape, generator=generator))
+
+
+@pytest.fixture
+def trained_lora():
+    # alpha != rank: a loader that ignored the exported config would scale the adapter wrongly.
+    transformer = add_lora(tiny_hunyuan15_pipeline().transformer, LoraConfig(enabled=True, rank=4, alpha=8.0))
+    perturb(p for p in transformer.parameters() if p.requires_grad)
+    return transformer
+
+
+def test_lora_export_loads_into_a_fresh_pipeline_and_reproduces_the_trained_outputs(trained_lora, tmp_path):
+    export_dir = export_lora(trained_lora, tmp_path / "lora")
+
+    fresh = tiny_hunyuan15_pipeline()
+    base_output = output(fresh.transformer)
+    fresh.transformer.load_lora_adapter(export_dir, weight_name=LORA_WEIGHT_NAME)  # diffusers' own loader
+
+    assert not torch.equal(output(trained_lora), base_output)
+    torch.testing.assert_close(output(fresh.transformer), output(trained_lora), rtol=0, atol=0)
+
+
+def test_lora_export_is_in_the_diffusers_format_with_its_config_and_a_verified_manifest(trained_lora, tmp_path):
+    export_dir = export_lora(trained_lora, tmp_path / "lora")
+
+    with safe_open(export_dir / LORA_WEIGHT_NAME, framework="pt") as weights:
+        keys, metadata = list(weights.keys()), weights.metadata()
+    assert keys and all(key.startswith("transformer.") and ".lora_" in key for key in keys)
+    adapter_config = json.loads(metadata["lora_adapter_metadata"])
+    assert adapter_config["transformer.r"] == 4 and adapter_config["transformer.lora_alpha"] == 8.0
+    assert read_export_manifest(export_dir)["kind"] == "lora"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lora"]  # no staging directory left behind
+
+
+def test_reexport_replaces_the_previous_export_whole(trained_lora, tmp_path):
+    export_dir = tmp_path / "lora"
+    export_dir.mkdir()
+    (export_dir / "stale.txt").write_text("from an earlier export")
+
+    export_lora(trained_lora, export_dir)
+
+    assert sorted(p.name for p in export_dir.iterdir()) == [EXPORT_MANIFEST, LORA_WEIGHT_NAME]
+
+
+def test_a_tampered_export_fails_verification(trained_lora, tmp_path):
+    export_dir = export_lora(trained_lora, tmp_path / "lora")
+    with open(export_dir / LORA_WEIGHT_NAME, "r+b") as weights:
+        weights.seek(-1, 2)
+        weights.write(b"\x00" if weights.read(1) != b"\x00" else b"\x01")
+
+    with pytest.raises(ValueError, match="does not match the sha256"):
+        read_export_manifest(export_dir)
+
+
+def test_lora_export_needs_an_adapter(tmp_path):
+    with pytest.raises(ValueError, match="no LoRA adapter"):
+        export_lora(tiny_hunyuan15_pipeline().transformer, tmp_path / "lora")
+
+
+def test_full_export_round_trips_through_from_pretrained(tmp_path):
+    trained = tiny_hunyuan15_pipeline().transformer
+    perturb(trained.parameters())
+
+    export_dir = export_full(trained, tmp_path / "full")
+    loaded = HunyuanVideo15Transformer3DModel.from_pretrained(export_dir)
+
+    assert read_export_manifest(export_dir)["kind"] == "full"
+    assert loaded.state_dict().keys() == trained.state_dict().keys()
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    torch.testing.assert_close(output(loaded), output(trained), rtol=0, atol=0)
+    assert not torch.equal(output(tiny_hunyuan15_pipeline().transformer), output(trained))
+
+
+def test_full_export_refuses_a_model_with_lora_adapters(trained_lora, tmp_path):
+    with pytest.raises(ValueError, match="export_lora"):
+        export_full(trained_lora, tmp_path / "full")
