@@ -91,10 +91,10 @@ def _sample(args) -> int:
 
 def _add_components(subparsers) -> None:
     """Subcommands that live beside their components."""
-    from pipeline import memory_plan, schedule
+    from pipeline import memory_plan, registry, schedule
     from pipeline.rewards import server
 
-    for module in (server, memory_plan, schedule):
+    for module in (server, memory_plan, registry, schedule):
         module.register_cli(subparsers)
 
 

@@ -53,6 +53,17 @@ class EvalConfig(_Section):
     write_videos: int = Field(2, ge=0)
 
 
+class RegistryConfig(_Section):
+    """Publishing at the end of a run: export, register as the ``challenger``, then the promotion gate."""
+
+    model_name: str | None = None             # None: do not register
+    base_model: str | None = None             # what the pyfunc loads the export onto; default: model.pretrained/name
+    promote: bool = False                     # run the gate after registering
+    primary_metric: str = "eval/reward"
+    margin: float = Field(0.0, ge=0)
+    guards: dict[str, float] = Field(default_factory=dict)   # metric -> largest allowed drop
+
+
 class RunSection(_Section):
     name: str = "sage-grpo"
     output_dir: str = "runs/sage-grpo"
@@ -75,6 +86,7 @@ class RunConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
 
     @model_validator(mode="after")
     def _combinations(self):
@@ -85,6 +97,8 @@ class RunConfig(_Section):
         if samples % self.update.micro_batch_size:
             raise ValueError(f"update.micro_batch_size={self.update.micro_batch_size} does not divide the "
                              f"{samples} samples per rank (rollout.prompts_per_rank x rollout.group_size)")
+        if self.registry.model_name and not self.tracking.enabled:
+            raise ValueError("registry.model_name needs tracking.enabled: versions are registered in MLflow")
         if self.sde.variant == "ode":
             raise ValueError("sde.variant=ode has no log-probabilities to train on; use dance, flow, cps or sage")
         return self

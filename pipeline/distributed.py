@@ -82,3 +82,20 @@ def any_rank(flag: bool) -> bool:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def weights_fingerprint(module: torch.nn.Module) -> str:
+    """sha256 over every parameter's full value, gathered one parameter at a time under ZeRO-3 (so never a whole
+    model on one rank). Equal on every rank that holds the same weights; names exactly the weights a run produced."""
+    import hashlib
+    from contextlib import nullcontext
+
+    import deepspeed
+
+    digest = hashlib.sha256()
+    for name, param in sorted(module.named_parameters()):
+        gathered = deepspeed.zero.GatheredParameters([param]) if hasattr(param, "ds_id") else nullcontext()
+        with gathered:
+            digest.update(name.encode())
+            digest.update(param.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()

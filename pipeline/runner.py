@@ -98,10 +98,12 @@ def run(config: RunConfig, *, resume: str | None = None) -> RunSummary:
     tracker = Tracker(config.tracking, output_dir)
     state.mlflow_run_id = tracker.start(config, run_id=state.mlflow_run_id) if distributed.is_main() else None
 
+    audit = Audit(output_dir / "audit" / f"rank-{distributed.rank()}.jsonl")
     status, started = "completed", time.monotonic()
     with preemption_signals() as preempted:
         while state.iteration < config.run.max_iterations:
-            metrics = train_iteration(config, policy, embeddings, scorer, sampler, train_prompts, state.iteration)
+            metrics = train_iteration(config, policy, embeddings, scorer, sampler, train_prompts, state.iteration,
+                                      audit)
             state.iteration += 1
             if eval_scorer and state.iteration % config.eval.every == 0:
                 metrics |= run_evaluation(config, policy, embeddings, eval_scorer, eval_prompts, state, tracker)
@@ -116,12 +118,20 @@ def run(config: RunConfig, *, resume: str | None = None) -> RunSummary:
             last = state.iteration == config.run.max_iterations
             due = config.checkpoint.every and state.iteration % config.checkpoint.every == 0
             if stop or last or due:
+                # Late: a run opened after a tracking outage has its id only now.
+                state.mlflow_run_id = tracker.run_id or state.mlflow_run_id
                 save_checkpoint(store, config, policy, sampler, state)
             if stop:
                 status = "preempted" if preempted() else "time_budget"
                 break
 
+    fingerprint = distributed.weights_fingerprint(policy.engine.module)
+    audit.write({"iteration": state.iteration, "weights_sha256": fingerprint, "status": status})
+    if status == "completed" and config.registry.model_name:
+        publish(config, policy, embeddings, eval_scorer or Scorer(config.rewards + config.eval.metrics), eval_prompts,
+                state, tracker)
     if distributed.is_main():
+        tracker.set_tag("weights_sha256", fingerprint)
         curve = evaluation.plot_reward_curves(state.history, output_dir / "plots" / "reward_curves.png")
         tracker.log_artifact(curve, "plots")
         tracker.log_artifact(output_dir / "config.json")
@@ -136,10 +146,11 @@ def run(config: RunConfig, *, resume: str | None = None) -> RunSummary:
 
 
 def train_iteration(config: RunConfig, policy: Policy, embeddings, scorer: Scorer, sampler: PromptSampler,
-                    train_prompts: list[str], iteration: int) -> dict[str, float]:
+                    train_prompts: list[str], iteration: int, audit: "Audit") -> dict[str, float]:
     timings = {}
     clock = time.perf_counter()
     prompt_ids = next(sampler)
+    audit.write({"iteration": iteration + 1, "prompt_ids": prompt_ids})
     batch_prompts = [train_prompts[i] for i in prompt_ids]
     rollout = generate(policy.adapter, batch_prompts, config.rollout.group_size, config.sde,
                        iteration_seed(config.seed, iteration), prompt_ids=prompt_ids,
@@ -201,7 +212,7 @@ def run_evaluation(config, policy, embeddings, scorer, eval_prompts, state, trac
         tracker.log_artifact(video, f"eval/iteration-{state.iteration:05d}")
     metrics = distributed.all_reduce_mean(result.metrics) if distributed.world_size() == 1 else \
         _broadcast_from_main(result.metrics)
-    state.last_eval = metrics
+    state.last_eval = metrics | {"iteration": state.iteration}
     return metrics
 
 
@@ -217,6 +228,48 @@ def log_progress(metrics: dict[str, float]) -> None:
                                          "eval/reward") if k in metrics}
         logger.info("iteration %d: %s", metrics["iteration"],
                     "  ".join(f"{k}={v:.4g}" for k, v in shown.items()))
+
+
+class Audit:
+    """Each rank's record of what it trained on (prompt ids per iteration) and the weights it ended with: the
+    provenance a team needs to answer "which data made this model", one JSON line per event."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as file:
+            file.write(json.dumps(record) + "\n")
+
+
+def publish(config: RunConfig, policy: Policy, embeddings, scorer: Scorer, eval_prompts: list[str],
+            state: RunState, tracker: Tracker) -> None:
+    """Export the policy, register it as the ``challenger`` with its eval metrics, and run the promotion gate."""
+    from pipeline import export, registry
+
+    if state.last_eval.get("iteration") != state.iteration:
+        tracker.log_metrics(run_evaluation(config, policy, embeddings, scorer, eval_prompts, state, tracker),
+                            step=state.iteration)
+    export_dir = config.output_dir / "exports" / f"step-{state.iteration}"
+    if config.lora.enabled:
+        export.export_lora(policy.engine.module, export_dir)
+    else:
+        export.export_full(policy.engine, export_dir)
+    if not distributed.is_main():
+        return
+    client = tracker.client()
+    run_id = state.mlflow_run_id
+    base_model = config.registry.base_model or config.model.pretrained or config.model.name
+    metrics = {k: v for k, v in state.last_eval.items() if k != "iteration"}
+    version = registry.register_export(client, config.registry.model_name, export_dir, run_id, metrics,
+                                       registry.export_key(run_id, state.iteration), base_model=base_model)
+    logger.info("registered %s version %s as challenger", config.registry.model_name, version.version)
+    if config.registry.promote:
+        decision = registry.promote(client, config.registry.model_name, version=version.version,
+                                    primary_metric=config.registry.primary_metric,
+                                    min_improvement=config.registry.margin, guarded=config.registry.guards)
+        logger.info("%s", decision.summary())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -326,7 +379,9 @@ def save_checkpoint(store: CheckpointStore, config: RunConfig, policy: Policy, s
     torch.save(_rank_state(policy, sampler, state), staging / f"pipeline_state_rank{distributed.rank()}.pt")
     distributed.barrier()
     if distributed.is_main():
-        extra = {"metrics": state.last_eval, "iteration": state.iteration}
+        # Flat, so checkpoint.best_metric (e.g. eval/reward) names a key the retention policy can read.
+        evaluated_now = state.last_eval.get("iteration") == state.iteration
+        extra = {**(state.last_eval if evaluated_now else {}), "iteration": state.iteration}
         store.commit(staging, state.iteration, world_size=distributed.world_size(), config_hash=config_hash(config),
                      extra=extra)
         store.prune(keep_last=config.checkpoint.keep_last, best_metric=config.checkpoint.best_metric,

@@ -159,6 +159,15 @@ class Tracker:
                 buffer.write(json.dumps(row) + "\n")
         self._sync()
 
+    def client(self) -> MlflowClient:
+        """The MLflow client of this run's tracking server (for the model registry)."""
+        return self._client
+
+    def set_tag(self, key: str, value: str) -> None:
+        if not self.enabled:
+            return
+        self._upload(f"tag {key}", lambda: self._client.set_tag(self.run_id, key, value))
+
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Upload a file, or a directory's contents, under ``artifact_path``. Not retried: the files stay on disk."""
         if not self.enabled:

@@ -1,6 +1,7 @@
 """The demo config end to end against a real ``mlflow server``: one process, and two under the ``deepspeed``
 launcher; checked through the MLflow client as a user would look at the run."""
 
+import json
 import subprocess
 import sys
 
@@ -46,11 +47,19 @@ def _check_tracked_run(tracking_uri: str, experiment: str, iterations: int):
 
 def test_demo_single_process_against_mlflow_server(mlflow_server, tmp_path):
     result = run_sagegrpo(tmp_path, "run.max_iterations=2", f"tracking.tracking_uri={mlflow_server.url}",
-                          "tracking.experiment=single")
+                          "tracking.experiment=single", "lora.enabled=true", "lora.rank=4",
+                          "registry.model_name=demo-policy", "registry.promote=true")
     assert result.returncode == 0, result.stderr[-4000:]
     assert "completed after 2 iteration(s)" in result.stdout
-    _check_tracked_run(mlflow_server.url, "single", 2)
+    run = _check_tracked_run(mlflow_server.url, "single", 2)
     assert (tmp_path / "checkpoints" / "step-2" / "manifest.json").exists()
+    # Published: the LoRA export registered as a version, the first one promoted to champion by the gate.
+    client = MlflowClient(mlflow_server.url)
+    champion = client.get_model_version_by_alias("demo-policy", "champion")
+    assert champion.run_id == run.info.run_id
+    assert float(champion.tags["metric.eval/reward"]) == pytest.approx(run.data.metrics["eval/reward"])
+    audit = [json.loads(line) for line in (tmp_path / "audit" / "rank-0.jsonl").read_text().splitlines()]
+    assert audit[-1]["weights_sha256"] == run.data.tags["weights_sha256"]
 
 
 def test_demo_two_processes_under_the_deepspeed_launcher(mlflow_server, tmp_path):
