@@ -157,17 +157,18 @@ def read_runs(root: Store) -> list[RunState]:
 
 def step_command(step: str, decision: Decision, args: argparse.Namespace, root: Store) -> list[str]:
     """The command line of one step. Training runs under pipeline.launch so a checkpointed stop keeps status 75."""
-    run_dir = root.join(decision.run_name)
+    # Checkpoints (and the run's identity) live under the checkpoint root; outputs and caches on local disk.
+    run_config = [f"run.name={decision.run_name}", f"run.output_dir={Path(args.work_dir) / decision.run_name}",
+                  f"checkpoint.uri={root.join(decision.run_name)}/checkpoints",
+                  f"data.source={Store(args.prompts).join(decision.prompt_set)}"]
     if step == "train":
-        prompts = Store(args.prompts).join(decision.prompt_set)
         return [
             sys.executable, "-m", "pipeline.launch", "--standalone", f"--nproc-per-node={args.nproc_per_node}",
             "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1", "--shutdown-timeout=300", "--no-python",
-            "sagegrpo", "run", args.config, f"run.name={decision.run_name}", f"run.output_dir={run_dir}",
-            f"data.prompts={prompts}", "--resume", "auto",
+            "sagegrpo", "run", args.config, *run_config, "--resume", "auto",
         ]
     if step == "evaluate":
-        return ["sagegrpo", "eval", args.config, "--checkpoint", run_dir]
+        return ["sagegrpo", "eval", args.config, *run_config, "--checkpoint", "auto"]
     return ["sagegrpo", "promote", "--model", args.model]
 
 
@@ -186,9 +187,12 @@ def run_relaying_stop_signals(command: list[str]) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="run config YAML")
-    parser.add_argument("--prompts", required=True, help="folder or s3:// prefix holding one entry per prompt set")
+    parser.add_argument("--prompts", required=True,
+                        help="folder or s3:// prefix of prompt files, one per set, the newest sorting last "
+                             "(e.g. 2026-12-02.jsonl)")
     parser.add_argument("--checkpoint-root", required=True, help="folder or s3:// prefix of the scheduled runs")
     parser.add_argument("--model", required=True, help="registered model name for promotion")
+    parser.add_argument("--work-dir", default="/cache/runs", help="local folder for outputs and caches")
     parser.add_argument("--nproc-per-node", type=int, default=8, help="training processes (GPUs) on this node")
     parser.add_argument("--date", type=date.fromisoformat, default=None, help="today, for tests (YYYY-MM-DD)")
     parser.add_argument("--dry-run", action="store_true", help="print the decision and commands, run nothing")

@@ -412,8 +412,9 @@ def test_train_step_runs_under_the_launcher_with_resume_auto(tmp_path):
     command = schedule.step_command("train", decision, args, schedule.Store(args.checkpoint_root))
     assert command[1:3] == ["-m", "pipeline.launch"]
     assert command[command.index("--resume") + 1] == "auto"
-    assert f"data.prompts={tmp_path}/prompts/2026-12-02" in command
-    assert f"run.output_dir={tmp_path}/ckpt/sage-2026-12-03" in command
+    assert f"data.source={tmp_path}/prompts/2026-12-02" in command
+    assert f"checkpoint.uri={tmp_path}/ckpt/sage-2026-12-03/checkpoints" in command
+    assert "run.output_dir=/cache/runs/sage-2026-12-03" in command
 
 
 def test_s3_store_lists_reads_and_writes_markers(monkeypatch):
