@@ -60,12 +60,11 @@ def eval_command(config_path: str, overrides: list[str], checkpoint: str) -> int
     setup_logging()
     from pipeline import runner
     from stages.ingest import ingest
-    from stages.score import Scorer
 
     policy, embeddings = _restored_policy(config, checkpoint)
     eval_prompts = [p.text for p in ingest(config.data).eval][: config.eval.num_prompts]
     state = runner.RunState()
-    metrics = runner.run_evaluation(config, policy, embeddings, Scorer(config.rewards + config.eval.metrics),
+    metrics = runner.run_evaluation(config, policy, embeddings, runner.build_scorer(config, evaluation=True),
                                     eval_prompts, state, _NoTracker())
     if distributed.is_main():
         print(json.dumps(metrics, indent=2, sort_keys=True))
@@ -98,7 +97,8 @@ def _restored_policy(config: RunConfig, checkpoint: str | None):
     distributed.init(config.deepspeed.collective_timeout_minutes)
     policy = runner.build_policy(config)
     if checkpoint:
-        runner.load_checkpoint(config.checkpoint.build(config.output_dir), checkpoint, config, policy, require=True)
+        runner.load_checkpoint(config.checkpoint.build(config.output_dir), checkpoint, config, policy, require=True,
+                               same_run=False)
     embeddings = runner.CachedEmbeddings(EmbeddingCache(config.output_dir / "embedding-cache"), policy.adapter)
     return policy, embeddings
 

@@ -64,6 +64,11 @@ class RegistryConfig(_Section):
     guards: dict[str, float] = Field(default_factory=dict)   # metric -> largest allowed drop
 
 
+class ScoringConfig(_Section):
+    retries: int = Field(2, ge=0)             # retries of a reward call that raised, before its samples score None
+    retry_delay_s: float = Field(1.0, ge=0)
+
+
 class RunSection(_Section):
     name: str = "sage-grpo"
     output_dir: str = "runs/sage-grpo"
@@ -78,6 +83,7 @@ class RunConfig(_Section):
     sde: SDEConfig = Field(default_factory=SDEConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="brightness")], min_length=1)
+    scoring: ScoringConfig = Field(default_factory=ScoringConfig)
     update: UpdateConfig = Field(default_factory=UpdateConfig)
     trust_region: TrustRegionConfig = Field(default_factory=TrustRegionConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)

@@ -86,9 +86,9 @@ def run(config: RunConfig, *, resume: str | None = None) -> RunSummary:
 
     policy = build_policy(config)
     embeddings = CachedEmbeddings(EmbeddingCache(output_dir / "embedding-cache"), policy.adapter)
-    scorer = Scorer(config.rewards)
+    scorer = build_scorer(config)
     scorer.setup(distributed.device())
-    eval_scorer = Scorer(config.rewards + config.eval.metrics) if eval_prompts and config.eval.every else None
+    eval_scorer = build_scorer(config, evaluation=True) if eval_prompts and config.eval.every else None
     sampler = PromptSampler(len(train_prompts), config.rollout.prompts_per_rank, distributed.rank(),
                             distributed.world_size(), config.seed)
     store = config.checkpoint.build(output_dir)
@@ -128,8 +128,8 @@ def run(config: RunConfig, *, resume: str | None = None) -> RunSummary:
     fingerprint = distributed.weights_fingerprint(policy.engine.module)
     audit.write({"iteration": state.iteration, "weights_sha256": fingerprint, "status": status})
     if status == "completed" and config.registry.model_name:
-        publish(config, policy, embeddings, eval_scorer or Scorer(config.rewards + config.eval.metrics), eval_prompts,
-                state, tracker)
+        publish(config, policy, embeddings, eval_scorer or build_scorer(config, evaluation=True), eval_prompts, state,
+                tracker)
     if distributed.is_main():
         tracker.set_tag("weights_sha256", fingerprint)
         curve = evaluation.plot_reward_curves(state.history, output_dir / "plots" / "reward_curves.png")
@@ -195,6 +195,11 @@ def reward_metrics(scored) -> dict[str, float]:
         metrics[name] = mean
         metrics[name.replace("/mean", "/std")] = math.sqrt(max(variance, 0.0)) if n else float("nan")
     return metrics
+
+
+def build_scorer(config: RunConfig, *, evaluation: bool = False) -> Scorer:
+    specs = config.rewards + (config.eval.metrics if evaluation else [])
+    return Scorer(specs, retries=config.scoring.retries, retry_delay_s=config.scoring.retry_delay_s)
 
 
 def iteration_seed(seed: int, iteration: int) -> int:
@@ -393,9 +398,10 @@ def save_checkpoint(store: CheckpointStore, config: RunConfig, policy: Policy, s
 
 
 def load_checkpoint(store: CheckpointStore, resume: str, config: RunConfig, policy: Policy, *,
-                    require: bool = False) -> dict | None:
+                    require: bool = False, same_run: bool = True) -> dict | None:
     """Load the policy (DeepSpeed engine, anchor, KL controller) from a verified checkpoint; return this rank's
-    saved pipeline state, or None when ``resume`` is ``auto`` and nothing is there yet."""
+    saved pipeline state, or None when ``resume`` is ``auto`` and nothing is there yet. ``same_run`` (resuming)
+    demands the config the checkpoint was written with; evaluating or sampling may change the sampler."""
     step = store.resolve(resume) if distributed.is_main() else None
     if distributed.world_size() > 1:
         step = _broadcast_from_main({"step": step})["step"]
@@ -408,7 +414,7 @@ def load_checkpoint(store: CheckpointStore, resume: str, config: RunConfig, poli
     if manifest.world_size != distributed.world_size():
         raise UserError(f"checkpoint step-{step} was written by {manifest.world_size} rank(s); resume it with the "
                         f"same number (ZeRO-3 partitions are per rank), not {distributed.world_size()}")
-    if manifest.config_hash != config_hash(config):
+    if same_run and manifest.config_hash != config_hash(config):
         raise UserError(f"checkpoint step-{step} was written with a different config; only run.max_iterations, "
                         "run.time_budget_minutes, tracking and checkpoint may change on resume")
     local = config.output_dir / "checkpoint-restore" / f"step-{step}"
