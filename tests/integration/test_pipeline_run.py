@@ -2,6 +2,7 @@
 launcher; checked through the MLflow client as a user would look at the run."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -60,6 +61,19 @@ def test_demo_single_process_against_mlflow_server(mlflow_server, tmp_path):
     assert float(champion.tags["metric.eval/reward"]) == pytest.approx(run.data.metrics["eval/reward"])
     audit = [json.loads(line) for line in (tmp_path / "audit" / "rank-0.jsonl").read_text().splitlines()]
     assert audit[-1]["weights_sha256"] == run.data.tags["weights_sha256"]
+
+    # The saved policy evaluates to the logged numbers and writes videos for a new prompt.
+    same = [f"run.output_dir={tmp_path}", *SHORT, "lora.enabled=true", "lora.rank=4"]
+    evaluated = subprocess.run([sys.executable, "-m", "pipeline.cli", "eval", str(DEMO), *same, "--checkpoint",
+                                "auto"], cwd=REPO, env=environment(), capture_output=True, text=True, timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    report = evaluated.stdout[re.search(r"^\{", evaluated.stdout, re.M).start():]  # after DeepSpeed's start-up line
+    assert json.loads(report)["eval/reward"] == pytest.approx(run.data.metrics["eval/reward"], rel=1e-5)
+    sampled = subprocess.run([sys.executable, "-m", "pipeline.cli", "sample", str(DEMO), *same, "--checkpoint",
+                              "auto", "--prompt", "a red kite", "--out", str(tmp_path / "samples")],
+                             cwd=REPO, env=environment(), capture_output=True, text=True, timeout=300)
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    assert any((tmp_path / "samples").glob("sample_00.*"))
 
 
 def test_demo_two_processes_under_the_deepspeed_launcher(mlflow_server, tmp_path):
