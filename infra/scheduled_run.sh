@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The scheduled fine-tuning run (pipeline/schedule.py): newest prompt set, train (resume or new), evaluate, promote.
-# For cron on a host, or as the CronJob's command (infra/k8s/base/cronjob.yaml); arguments go to pipeline.schedule:
+# For cron on a host, or as the CronJob's command (infra/k8s/base/cronjob.yaml); arguments go to `sagegrpo schedule`:
 #
 #   infra/scheduled_run.sh --config configs/hunyuanvideo15_sage_lora.yaml --prompts s3://BUCKET/prompts \
 #       --checkpoint-root s3://BUCKET/scheduled --model NAME [--nproc-per-node 8] [--dry-run]
@@ -17,4 +17,4 @@ if ! flock --nonblock 9; then
 fi
 # exec keeps fd 9, and with it the lock, and makes Python the process that receives SIGTERM (it relays it to the
 # running step, which checkpoints and exits 75).
-exec "$PYTHON" -m pipeline.schedule "$@"
+exec "$PYTHON" -m pipeline.cli schedule "$@"

@@ -222,17 +222,3 @@ def run_schedule(args: argparse.Namespace) -> int:
             return status
         root.write("", decision.run_name, "schedule", f"{step}.done")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.schedule", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    try:
-        return run_schedule(parser.parse_args(argv))
-    except UserError as error:
-        print(f"schedule: error: {error}", file=sys.stderr)
-        return UserError.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

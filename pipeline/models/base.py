@@ -103,6 +103,47 @@ class VideoModelAdapter(ABC):
         return int(self.scheduler_config.get("num_train_timesteps", 1000))
 
 
+class DiffusersAdapter(VideoModelAdapter):
+    """What every adapter built on a diffusers pipeline object shares: identity, CFG switch, placement, latent shape.
+
+    Subclasses set ``pipeline``, ``transformer``, ``guidance_scale``, ``height``, ``width``, ``num_frames`` and
+    ``_identity``, and say how many latent channels the model has.
+    """
+
+    pipeline: Any
+    _identity: str
+    height: int
+    width: int
+    num_frames: int
+
+    @property
+    def encoder_identity(self) -> str:
+        return self._identity
+
+    @property
+    def cfg_enabled(self) -> bool:
+        return self.guidance_scale > 1.0
+
+    # From one parameter: diffusers' ModelMixin.device/.dtype walk every parameter, a millisecond per velocity call.
+    @property
+    def device(self) -> torch.device:
+        return next(self.pipeline.transformer.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.pipeline.transformer.parameters()).dtype
+
+    @abstractmethod
+    def latent_channels(self) -> int:
+        """Channels of the denoised latents (not of the transformer's input, which may carry conditioning)."""
+
+    def latent_shape(self) -> tuple[int, ...]:
+        p = self.pipeline
+        frames = (self.num_frames - 1) // p.vae_scale_factor_temporal + 1
+        return (self.latent_channels(), frames, self.height // p.vae_scale_factor_spatial,
+                self.width // p.vae_scale_factor_spatial)
+
+
 def frames_to_uint8(frames: torch.Tensor) -> torch.Tensor:
     """Videos in [0, 1] shaped [B, F, 3, H, W], as diffusers' ``postprocess_video(output_type="pt")`` returns them,
     to uint8 [B, F, H, W, 3] on the CPU."""

@@ -12,7 +12,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
 from diffusers.guiders.guider_utils import rescale_noise_cfg
 
-from .base import PromptEmbeddings, VideoModelAdapter, frames_to_uint8
+from .base import DiffusersAdapter, PromptEmbeddings, frames_to_uint8
 
 # Keyword names of HunyuanVideo15Transformer3DModel.forward, which are also the keys of our PromptEmbeddings.
 _TEXT_INPUTS = (
@@ -23,7 +23,7 @@ _TEXT_INPUTS = (
 )
 
 
-class HunyuanVideo15Adapter(VideoModelAdapter):
+class HunyuanVideo15Adapter(DiffusersAdapter):
     """Text-to-video with HunyuanVideo 1.5.
 
     ``guidance_scale=None`` keeps the scale configured in the pipeline's guider. Scales <= 1 skip the unconditional
@@ -85,32 +85,8 @@ class HunyuanVideo15Adapter(VideoModelAdapter):
             pipeline.vae.enable_tiling()
         return cls(pipeline, guidance_scale=guidance_scale, **kwargs)
 
-    @property
-    def encoder_identity(self) -> str:
-        return self._identity
-
-    @property
-    def cfg_enabled(self) -> bool:
-        return self.guidance_scale > 1.0
-
-    # From one parameter: diffusers' ModelMixin.device/.dtype walk every parameter, a millisecond per velocity call.
-    @property
-    def device(self) -> torch.device:
-        return next(self.pipeline.transformer.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.pipeline.transformer.parameters()).dtype
-
-    def latent_shape(self) -> tuple[int, ...]:
-        p = self.pipeline
-        frames = (self.num_frames - 1) // p.vae_scale_factor_temporal + 1
-        return (
-            p.num_channels_latents,
-            frames,
-            self.height // p.vae_scale_factor_spatial,
-            self.width // p.vae_scale_factor_spatial,
-        )
+    def latent_channels(self) -> int:
+        return self.pipeline.num_channels_latents
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeddings:

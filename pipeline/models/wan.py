@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
 
-from .base import PromptEmbeddings, VideoModelAdapter, frames_to_uint8
+from .base import DiffusersAdapter, PromptEmbeddings, frames_to_uint8
 
 
-class WanAdapter(VideoModelAdapter):
+class WanAdapter(DiffusersAdapter):
     """Text-to-video with Wan. CFG as in ``WanPipeline``: ``uncond + scale * (cond - uncond)`` when scale > 1."""
 
     def __init__(
@@ -62,35 +62,11 @@ class WanAdapter(VideoModelAdapter):
         return cls(pipeline, guidance_scale=guidance_scale, **kwargs)
 
     @property
-    def encoder_identity(self) -> str:
-        return self._identity
-
-    @property
     def fps(self) -> int:
         return self._fps
 
-    @property
-    def cfg_enabled(self) -> bool:
-        return self.guidance_scale > 1.0
-
-    # From one parameter: diffusers' ModelMixin.device/.dtype walk every parameter, a millisecond per velocity call.
-    @property
-    def device(self) -> torch.device:
-        return next(self.pipeline.transformer.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.pipeline.transformer.parameters()).dtype
-
-    def latent_shape(self) -> tuple[int, ...]:
-        p = self.pipeline
-        frames = (self.num_frames - 1) // p.vae_scale_factor_temporal + 1
-        return (
-            p.transformer.config.in_channels,
-            frames,
-            self.height // p.vae_scale_factor_spatial,
-            self.width // p.vae_scale_factor_spatial,
-        )
+    def latent_channels(self) -> int:
+        return self.pipeline.transformer.config.in_channels
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeddings:

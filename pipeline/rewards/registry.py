@@ -5,12 +5,12 @@ Built-in rewards are imported on first use, so configuring ``brightness`` never 
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..components import resolve
 from ..errors import UserError
 
 # The paper's two weightings of VideoAlign's dimensions (spec section 3). Setting B, alignment-focused, is the
@@ -80,15 +80,4 @@ def build_reward(spec: RewardSpec) -> Callable:
 
 
 def resolve_factory(name: str) -> Callable:
-    target = BUILTIN_REWARDS.get(name, name)
-    module_name, sep, attribute_path = target.partition(":")
-    if not sep or not module_name or not attribute_path:
-        raise UserError(f"unknown reward {name!r}: expected one of {', '.join(BUILTIN_REWARDS)} "
-                        "or 'package.module:Name'")
-    try:
-        factory = importlib.import_module(module_name)
-        for attribute in attribute_path.split("."):
-            factory = getattr(factory, attribute)
-    except (ImportError, AttributeError) as error:
-        raise UserError(f"cannot load reward {name!r}: {error}") from None
-    return factory
+    return resolve(name, BUILTIN_REWARDS, "reward")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -149,20 +148,3 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     serve(load_reward_specs(args.config), args.host, args.port, device)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m pipeline.rewards.server CONFIG --port P``: the same command outside the ``sagegrpo`` CLI."""
-    parser = argparse.ArgumentParser(prog="python -m pipeline.rewards.server",
-                                     description="Serve configured rewards over HTTP for the remote reward.")
-    add_arguments(parser)
-    logging.basicConfig(level=logging.INFO)
-    try:
-        return run(parser.parse_args(argv))
-    except UserError as error:
-        print(f"serve-reward: error: {error}", file=sys.stderr)
-        return UserError.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

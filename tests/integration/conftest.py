@@ -18,6 +18,8 @@ from urllib.parse import urlparse
 import boto3
 import pytest
 
+from tests.integration.mlflow_fixture import mlflow_server  # noqa: F401  (a real `mlflow server`, module scope)
+
 MOTO_SERVER = Path(sys.executable).parent / "moto_server"
 STARTUP_TIMEOUT_S = 30.0
 

@@ -9,7 +9,6 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.integration.mlflow_fixture import mlflow_server  # noqa: F401  (a pytest fixture)
 from tests.integration.pipeline_runs import DEMO, REPO, SHORT, environment, run_sagegrpo
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -38,7 +38,7 @@ def start_server(tmp_path, rewards):
     config = tmp_path / "rewards.yaml"
     config.write_text(yaml.safe_dump({"rewards": rewards}))
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(FIXTURES)])}
-    process = subprocess.Popen([sys.executable, "-m", "pipeline.rewards.server", str(config), "--port", "0",
+    process = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve-reward", str(config), "--port", "0",
                                 "--device", "cpu"], cwd=ROOT, env=environment, stdout=subprocess.PIPE, text=True)
     line = process.stdout.readline()
     if not line.startswith("serving rewards on "):
@@ -116,7 +116,7 @@ def test_failing_served_reward_answers_500_and_the_client_retries_it(tmp_path, c
 def test_bad_config_exits_2_with_one_line(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text(yaml.safe_dump({"rewards": [{"name": "brightness", "wieghts": {"x": 1}}]}))
-    result = subprocess.run([sys.executable, "-m", "pipeline.rewards.server", str(config)], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "pipeline.cli", "serve-reward", str(config)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "rewards.0.wieghts" in result.stderr

@@ -8,7 +8,6 @@ import pytest
 from mlflow import MlflowClient
 
 from pipeline.tracking import BUFFER_FILE, Tracker, TrackingConfig
-from tests.integration.mlflow_fixture import mlflow_server  # noqa: F401 (a fixture, requested by name)
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 (after choosing the headless backend)
