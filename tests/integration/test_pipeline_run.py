@@ -87,6 +87,28 @@ def test_demo_two_processes_under_the_deepspeed_launcher(mlflow_server, tmp_path
     assert '"world_size": 2' in manifest or '"world_size":2' in manifest
     assert run.data.metrics["samples_per_second"] > 0
 
+    # Resuming ZeRO-3 partitions written by 2 ranks with 1 rank stops with a clear message, before training.
+    resumed = run_sagegrpo(tmp_path, "run.max_iterations=3", f"tracking.tracking_uri={mlflow_server.url}",
+                           "tracking.experiment=two-ranks", flags=("--resume", "auto"))
+    assert resumed.returncode == 2
+    last_line = resumed.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("sagegrpo: error:") and "written by 2 rank(s)" in last_line
+
+
+def test_checkpoints_on_s3_commit_and_resume(s3_server, s3_bucket, tmp_path):
+    import boto3
+
+    location = [f"checkpoint.uri=s3://{s3_bucket}/runs/demo", f"checkpoint.endpoint_url={s3_server}",
+                "checkpoint.addressing_style=path", "eval.every=0"]
+    first = run_sagegrpo(tmp_path, "run.max_iterations=2", *location)
+    assert first.returncode == 0, first.stderr[-4000:]
+    second = run_sagegrpo(tmp_path, "run.max_iterations=3", *location, flags=("--resume", "auto"))
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "loaded checkpoint step-2" in second.stderr
+    keys = [o["Key"] for o in boto3.client("s3", endpoint_url=s3_server).list_objects_v2(
+        Bucket=s3_bucket, Prefix="runs/demo/")["Contents"]]
+    assert "runs/demo/step-3/manifest.json" in keys and "runs/demo/latest" in keys
+
 
 def test_bad_config_is_one_line_and_exit_2(tmp_path):
     result = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(DEMO), "rollout.group_size=1"],
