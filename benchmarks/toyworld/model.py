@@ -1,0 +1,143 @@
+"""A tiny HunyuanVideo 1.5 transformer (the real diffusers class) behind the adapter interface, for ToyWorld.
+
+Two stand-ins replace the pretrained encoders, both fixed and free of learning: the caption's colour and direction are
+one-hot vectors projected to the text width by a fixed random matrix (two text tokens), and the VAE is the fixed
+orthogonal latent map of ``world.py``. Everything the stages see (``predict_velocity``, ``decode``, prompt
+embeddings) goes through the same interface as the real model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from diffusers import HunyuanVideo15Transformer3DModel
+
+from pipeline.models.base import PromptEmbeddings, VideoModelAdapter, frames_to_uint8
+
+from . import world
+
+TEXT_DIM, GLYPH_DIM, IMAGE_DIM = 16, 8, 8
+TRANSFORMER_CONFIG = dict(
+    # t2v only, so no condition-latent or mask channels (the released model's 65 = 32 + 32 + 1): latents in and out.
+    in_channels=world.LATENT_CHANNELS,
+    out_channels=world.LATENT_CHANNELS,
+    # The hidden width must exceed the 96 latent channels: through a narrower linear patch embedding and output
+    # projection the model cannot even represent the noise it has to predict (a 64-wide first try plateaued there).
+    num_attention_heads=4,
+    attention_head_dim=32,
+    num_layers=2,
+    num_refiner_layers=1,
+    mlp_ratio=2.0,
+    patch_size=1,
+    patch_size_t=1,
+    text_embed_dim=TEXT_DIM,
+    text_embed_2_dim=GLYPH_DIM,
+    image_embed_dim=IMAGE_DIM,
+    rope_axes_dim=(8, 12, 12),
+    target_size=world.SIZE,
+    task_type="t2v",
+)
+# Branches that only ever see masked-out or all-zero inputs here (ByT5 glyphs, image conditioning): their gradient is
+# zero, and the ByT5 projection alone holds 4.3M of the model's 5.8M weights, so training them would only cost time.
+UNUSED_BRANCHES = ("context_embedder_2", "image_embedder")
+_CAPTION_PROJECTION_SEED = 99
+
+
+def build_transformer(seed: int = 0) -> HunyuanVideo15Transformer3DModel:
+    torch.manual_seed(seed)
+    return HunyuanVideo15Transformer3DModel(**TRANSFORMER_CONFIG)
+
+
+def train_used_weights(transformer: torch.nn.Module) -> torch.nn.Module:
+    """Make every weight the toy task reaches trainable (everything but the unused branches), for pretraining and
+    for full fine-tuning with GRPO."""
+    transformer.requires_grad_(True)
+    for name in UNUSED_BRANCHES:
+        getattr(transformer, name).requires_grad_(False)
+    return transformer
+
+
+@lru_cache(maxsize=1)
+def _caption_projection() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(_CAPTION_PROJECTION_SEED)
+    return torch.randn(len(world.COLOURS) + len(world.DIRECTIONS), TEXT_DIM, generator=generator)
+
+
+def caption_tokens(captions: list[str]) -> torch.Tensor:
+    """[B, 2, TEXT_DIM]: a colour token and a direction token, each a projected one-hot vector."""
+    colours, directions = list(world.COLOURS), list(world.DIRECTIONS)
+    one_hot = torch.zeros(len(captions), 2, len(colours) + len(directions))
+    for i, caption in enumerate(captions):
+        colour, direction = world.parse_caption(caption)
+        one_hot[i, 0, colours.index(colour)] = 1.0
+        one_hot[i, 1, len(colours) + directions.index(direction)] = 1.0
+    return one_hot @ _caption_projection()
+
+
+class ToyWorldAdapter(VideoModelAdapter):
+    """ToyWorld text-to-video without CFG: latents [96, 4, 4, 4], videos of 8 frames at 16x16."""
+
+    encoder_identity = "toyworld:onehot-projection-v1"
+
+    def __init__(self, transformer: torch.nn.Module):
+        self.transformer = transformer
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    @property
+    def fps(self) -> int:
+        return 8
+
+    def latent_shape(self) -> tuple[int, ...]:
+        return world.LATENT_SHAPE
+
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeddings:
+        b = len(prompts)
+        return PromptEmbeddings({
+            "encoder_hidden_states": caption_tokens(prompts),
+            "encoder_attention_mask": torch.ones(b, 2, dtype=torch.long),
+            # One glyph token, masked out: the transformer requires the ByT5 stream, the captions have no glyphs.
+            "encoder_hidden_states_2": torch.zeros(b, 1, GLYPH_DIM),
+            "encoder_attention_mask_2": torch.zeros(b, 1, dtype=torch.long),
+        })
+
+    def predict_velocity(self, latents, sigma, embeddings, *, module=None) -> torch.Tensor:
+        model = self.transformer if module is None else module
+        text = embeddings.to(self.device, torch.float32)
+        batch = latents.shape[0]
+        return model(
+            hidden_states=latents.to(self.device, torch.float32),
+            timestep=sigma.to(self.device, torch.float32) * self.num_train_timesteps,
+            # All-zero image embeddings: the transformer reads them as text-to-video and masks those tokens out.
+            image_embeds=torch.zeros(batch, 1, IMAGE_DIM, device=self.device),
+            return_dict=False,
+            **text.tensors,
+        )[0].float()
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return frames_to_uint8(world.decode(latents.cpu()))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Weights cached by the hash of everything that determines them
+# ----------------------------------------------------------------------------------------------------------------
+
+CACHE_DIR = Path.home() / ".cache" / "sage-grpo" / "toyworld"
+
+
+def weights_key(pretrain_settings: dict) -> str:
+    """A short hash of the model, the world and the pretraining settings: any change gives new weights."""
+    identity = {
+        "transformer": TRANSFORMER_CONFIG,
+        "world": [world.FRAMES, world.SIZE, world.SQUARE, world.SPEED, world.PATCH_T, world.PATCH_S],
+        "captions": ToyWorldAdapter.encoder_identity,
+        "pretrain": pretrain_settings,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,133 @@
+"""Fit the tiny HunyuanVideo 1.5 transformer to ToyWorld with flow matching, or load the weights cached for these
+settings. The default takes about five minutes on a shared 2-core CPU; ``--quick`` (150 steps) is the test
+suite's one-minute version.
+
+    python -m benchmarks.toyworld.pretrain [--quick] [--steps N] [--force]
+
+Flow matching, as the model samples: x_t = (1 - sigma) x_0 + sigma * noise, target velocity noise - x_0, sigma drawn
+uniformly in time and then shifted exactly like the sampling schedule, so training covers the sigmas rollouts visit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline.rewards.base import VideoBatch
+from pipeline.sde import shift_sigmas
+from stages.rollout import SDEConfig, generate
+
+from . import world
+from .model import CACHE_DIR, ToyWorldAdapter, build_transformer, train_used_weights, weights_key
+from .rewards import ToyWorldReward, manifold_drift
+
+SHIFT = 3.0  # the flow shift of both pretraining and every rollout on ToyWorld
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    steps: int = 1500
+    batch_size: int = 32
+    learning_rate: float = 2e-3
+    warmup_steps: int = 50
+    shift: float = SHIFT
+    seed: int = 0
+
+
+QUICK = PretrainConfig(steps=150)
+
+
+def cache_path(config: PretrainConfig):
+    return CACHE_DIR / f"{weights_key(dataclasses.asdict(config))}.safetensors"
+
+
+def _learning_rate(config: PretrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to zero."""
+    if step < config.warmup_steps:
+        return config.learning_rate * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.learning_rate * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def fit(config: PretrainConfig, log_every: int = 100) -> dict[str, torch.Tensor]:
+    """Train from the seed and return the transformer's weights."""
+    transformer = train_used_weights(build_transformer(config.seed)).train()
+    adapter = ToyWorldAdapter(transformer)
+    videos, scenes = world.manifold()
+    latents = world.encode(videos)
+    embeddings = adapter.encode_prompts([scene.caption for scene in scenes])
+    optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=config.learning_rate)
+    generator = torch.Generator().manual_seed(config.seed)
+    start = time.perf_counter()
+    for step in range(config.steps):
+        index = torch.randint(len(latents), (config.batch_size,), generator=generator)
+        x0 = latents[index]
+        noise = torch.randn(x0.shape, generator=generator)
+        sigma = shift_sigmas(torch.rand(config.batch_size, generator=generator), config.shift).float()
+        s = sigma.view(-1, 1, 1, 1, 1)
+        velocity = adapter.predict_velocity((1 - s) * x0 + s * noise, sigma, embeddings.select(index))
+        loss = torch.nn.functional.mse_loss(velocity, noise - x0)
+        for group in optimizer.param_groups:
+            group["lr"] = _learning_rate(config, step)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        optimizer.step()
+        if log_every and (step % log_every == 0 or step == config.steps - 1):
+            print(f"step {step:5d}  loss {loss.item():.4f}  {time.perf_counter() - start:6.1f}s", flush=True)
+    return {name: value.detach().contiguous() for name, value in transformer.state_dict().items()}
+
+
+def pretrained_adapter(config: PretrainConfig = PretrainConfig(), *, force: bool = False,
+                       log_every: int = 0) -> ToyWorldAdapter:
+    """The adapter with weights for ``config``: from the cache, or fitted now and cached."""
+    path = cache_path(config)
+    if force or not path.exists():
+        state = fit(config, log_every=log_every)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Write then rename: a run killed mid-write must not leave a truncated file under the final name.
+        partial = path.with_suffix(f".partial-{os.getpid()}")
+        save_file(state, str(partial))
+        os.replace(partial, path)
+    transformer = build_transformer(config.seed)
+    transformer.load_state_dict(load_file(str(path)), strict=True)
+    return ToyWorldAdapter(transformer.eval())
+
+
+def evaluate(adapter: ToyWorldAdapter, *, samples_per_caption: int = 2, steps: int = 8, seed: int = 10_000):
+    """Mean rewards and drift of deterministic (ODE) samples over every caption."""
+    rollout = generate(adapter, world.CAPTIONS, samples_per_caption, SDEConfig(variant="ode", steps=steps, shift=SHIFT),
+                       seed=seed, batch_size=len(world.CAPTIONS), progress=False)
+    videos = VideoBatch.from_tensor(rollout.videos, adapter.fps)
+    scores = ToyWorldReward()(videos, rollout.sample_prompts)
+    summary = {name: sum(values) / len(values) for name, values in scores.items()}
+    summary["drift"] = sum(manifold_drift(videos)) / len(videos)
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the test suite's short pretraining")
+    parser.add_argument("--steps", type=int, help="override the number of optimizer steps")
+    parser.add_argument("--force", action="store_true", help="refit even when cached weights exist")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # on a shared 2-core machine one thread is fastest and steadiest
+    config = QUICK if args.quick else PretrainConfig()
+    if args.steps:
+        config = dataclasses.replace(config, steps=args.steps)
+    start = time.perf_counter()
+    adapter = pretrained_adapter(config, force=args.force, log_every=100)
+    print(f"weights: {cache_path(config)}  ({time.perf_counter() - start:.1f}s)")
+    with torch.no_grad():
+        print("ODE samples, 8 steps:", {k: round(v, 3) for k, v in evaluate(adapter).items()})
+
+
+if __name__ == "__main__":
+    main()
