@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.rollout import diffusers_pipeline, median_seconds, ours
-from pipeline import distributed, sde
+from pipeline import distributed
 from pipeline.grpo import group_advantages
 from pipeline.models.tiny import tiny_hunyuan15
 from pipeline.rewards.base import VideoBatch, weighted_total
