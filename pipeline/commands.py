@@ -20,6 +20,11 @@ def setup_logging() -> None:
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "urllib3", "alembic", "mlflow", "diffusers",
                   "transformers", "botocore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.set_verbosity_error()
+    transformers_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

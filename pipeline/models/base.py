@@ -133,6 +133,12 @@ class DiffusersAdapter(VideoModelAdapter):
     def dtype(self) -> torch.dtype:
         return next(self.pipeline.transformer.parameters()).dtype
 
+    def cfg_conditions(self, embeddings: PromptEmbeddings) -> list[dict[str, torch.Tensor]]:
+        """The text conditioning of each transformer branch, on the model's device and dtype: [cond], or
+        [cond, uncond] with CFG (the two branches then run as one batch)."""
+        text = embeddings.to(self.device, self.dtype)
+        return [text.tensors] + ([text.negative] if self.cfg_enabled else [])
+
     @abstractmethod
     def latent_channels(self) -> int:
         """Channels of the denoised latents (not of the transformer's input, which may carry conditioning)."""

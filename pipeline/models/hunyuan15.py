@@ -115,8 +115,7 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
         model = self.transformer if module is None else module
         device, dtype = self.device, self.dtype
         batch = latents.shape[0]
-        text = embeddings.to(device, dtype)
-        conditions = [text.tensors] + ([text.negative] if self.cfg_enabled else [])
+        conditions = self.cfg_conditions(embeddings)
         branches = len(conditions)
 
         hidden_states = self._t2v_model_input(latents.to(device, dtype)).repeat(branches, 1, 1, 1, 1)

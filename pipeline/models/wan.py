@@ -98,8 +98,7 @@ class WanAdapter(DiffusersAdapter):
         model = self.transformer if module is None else module
         device, dtype = self.device, self.dtype
         batch = latents.shape[0]
-        text = embeddings.to(device, dtype)
-        conditions = [text.tensors] + ([text.negative] if self.cfg_enabled else [])
+        conditions = self.cfg_conditions(embeddings)
         branches = len(conditions)
         hidden_states = latents.to(device, dtype).repeat(branches, 1, 1, 1, 1)
         prediction = model(

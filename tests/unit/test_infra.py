@@ -417,21 +417,6 @@ def test_train_step_runs_under_the_launcher_with_resume_auto(tmp_path):
     assert "run.output_dir=/cache/runs/sage-2026-12-03" in command
 
 
-def test_s3_store_lists_reads_and_writes_markers(monkeypatch):
-    boto3 = pytest.importorskip("boto3")
-    moto = pytest.importorskip("moto")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    with moto.mock_aws():
-        boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="runs")
-        root = schedule.Store("s3://runs/scheduled/")
-        root.write("2026-12-01\n", "sage-2026-12-01", "schedule", "prompt_set")
-        root.write("", "sage-2026-12-01", "schedule", "train.done")
-        root.write("x", "sage-2026-12-01", "step-3", "manifest.json")
-        assert root.children() == ["sage-2026-12-01"]
-        assert root.children("sage-2026-12-01") == ["schedule", "step-3"]
-        assert root.read("sage-2026-12-01", "missing") is None
-        assert schedule.read_runs(root) == [schedule.RunState("sage-2026-12-01", "2026-12-01", frozenset({"train"}))]
-
 
 def test_scheduled_run_script_exits_quietly_while_another_holds_the_lock(tmp_path):
     lock = tmp_path / "lock"
