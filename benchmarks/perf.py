@@ -173,6 +173,20 @@ def zero3_memory_ratio() -> tuple[float, dict, dict]:
     return sum(per_world[2].values()) / sum(per_world[1].values()), per_world[1], per_world[2]
 
 
+def report_update(repeats: int) -> None:
+    # ZeRO-2 beside ZeRO-3 separates our update's own overhead from ZeRO-3's parameter gathering.
+    for name in ("zero3", "zero2"):
+        ratio, ours_s, bare_s = update_ratio(repeats, name)
+        print(f"update / bare fwd+bwd+anchor fwd ({name}, dual KL): {ratio:.3f}  (target <= 1.10; "
+              f"{ours_s * 1000:.0f} ms vs {bare_s * 1000:.0f} ms)")
+
+
+def report_memory() -> None:
+    memory, one, two = zero3_memory_ratio()
+    print(f"ZeRO-3 model-state bytes per rank, 2 ranks / 1 rank: {memory:.3f}  (target <= 0.55; "
+          f"1 rank {one}, 2 ranks {two})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
@@ -183,19 +197,13 @@ def main() -> None:
           f"{'CUDA' if torch.cuda.is_available() else 'no GPU'}; 1 torch thread; tiny HunyuanVideo 1.5, "
           f"{len(PROMPTS)} prompts x {GROUP} samples, {STEPS} SDE steps ({SDE.variant}), full fine-tuning")
     print(f"rollout / diffusers pipeline (20 steps, batch 4):   {rollout_ratio(args.repeats):.3f}  (target <= 1.05)")
-    # ZeRO-2 beside ZeRO-3 separates our update's own overhead from ZeRO-3's parameter gathering.
-    for name in ("zero3", "zero2"):
-        ratio, ours_s, bare_s = update_ratio(args.repeats, name)
-        print(f"update / bare fwd+bwd+anchor fwd ({name}, dual KL): {ratio:.3f}  (target <= 1.10; "
-              f"{ours_s * 1000:.0f} ms vs {bare_s * 1000:.0f} ms)")
+    report_update(args.repeats)
     stages, outside = iteration_split(args.repeats)
     total = sum(v for k, v in stages.items() if k != "bare model")
     split = ", ".join(f"{k} {v * 1000:.0f} ms ({v / total:.0%})" for k, v in stages.items() if k != "bare model")
     print(f"iteration split: {split}; share outside model compute {outside:.0%} "
           f"(bare model work {stages['bare model'] * 1000:.0f} ms of {total * 1000:.0f} ms)")
-    memory, one, two = zero3_memory_ratio()
-    print(f"ZeRO-3 model-state bytes per rank, 2 ranks / 1 rank: {memory:.3f}  (target <= 0.55; "
-          f"1 rank {one}, 2 ranks {two})")
+    report_memory()
     for w, trained, ratio in window_ratios(args.repeats):
         print(f"SDE window {w} of {trained} trained steps: update time ratio {ratio:.3f}  (w/T = {w / trained:.3f})")
 
