@@ -34,9 +34,9 @@ def _release_if_gathered(param: torch.nn.Parameter) -> None:
         param.partition()
 
 
-def local_views(param: torch.nn.Parameter) -> list[torch.Tensor]:
-    """The tensors that hold this rank's values of ``param``: its shard under ZeRO-3, else the whole tensor."""
-    return [param.ds_tensor.data] if _is_zero3(param) else [param.data]
+def _holder(param: torch.nn.Parameter) -> torch.Tensor:
+    """The tensor that holds this rank's values of ``param``: its shard under ZeRO-3, else the parameter itself."""
+    return param.ds_tensor if _is_zero3(param) else param
 
 
 class Anchor:
@@ -48,7 +48,7 @@ class Anchor:
         self.params = params
         self.offload = offload
         self.refreshes = 0
-        self._saved = [[self._store(view) for view in local_views(p)] for p in params]
+        self._saved = [self._store(_holder(p).data) for p in params]
 
     @classmethod
     def snapshot(cls, module: torch.nn.Module, offload: bool = False) -> "Anchor":
@@ -63,19 +63,21 @@ class Anchor:
     def refresh(self) -> None:
         """Copy the policy's current local values into the anchor (no communication)."""
         for param, saved in zip(self.params, self._saved):
-            for target, view in zip(saved, local_views(param)):
-                target.copy_(view, non_blocking=True)
+            saved.copy_(_holder(param).data, non_blocking=True)
         self.refreshes += 1
 
     @torch.no_grad()
     def _swap(self) -> None:
-        for param, saved in zip(self.params, self._saved):
+        for i, param in enumerate(self.params):
             if _is_zero3(param):
                 _release_if_gathered(param)
-            for stored, view in zip(saved, local_views(param)):
-                held = view.clone()
-                view.copy_(stored)
-                stored.copy_(held)
+            holder = _holder(param)
+            if self.offload:  # host copies cannot stand in for device tensors: exchange the values
+                held = holder.data.clone()
+                holder.data.copy_(self._saved[i])
+                self._saved[i].copy_(held)
+            else:  # exchange the storages, no copy; the swap back restores the optimizer's views exactly
+                holder.data, self._saved[i] = self._saved[i], holder.data
 
     @contextmanager
     def swapped_in(self):
@@ -91,15 +93,14 @@ class Anchor:
 
     def state_dict(self) -> dict:
         """This rank's anchor values (its shards), for checkpoints: each rank saves and loads its own."""
-        return {"refreshes": self.refreshes, "values": [[t.cpu() for t in saved] for saved in self._saved]}
+        return {"refreshes": self.refreshes, "values": [saved.cpu() for saved in self._saved]}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         if len(state["values"]) != len(self._saved):
             raise ValueError("anchor checkpoint does not match the trainable parameters")
-        for saved, values in zip(self._saved, state["values"]):
-            for target, value in zip(saved, values):
-                if target.shape != value.shape:
-                    raise ValueError("anchor checkpoint shard shapes differ (was it saved with another world size?)")
-                target.copy_(value)
+        for saved, value in zip(self._saved, state["values"]):
+            if saved.shape != value.shape:
+                raise ValueError("anchor checkpoint shard shapes differ (was it saved with another world size?)")
+            saved.copy_(value)
         self.refreshes = int(state["refreshes"])

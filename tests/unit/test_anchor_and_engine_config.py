@@ -18,10 +18,12 @@ def _module():
     return module
 
 
-def test_anchor_swaps_in_its_weights_and_restores_the_policy():
+@pytest.mark.parametrize("offload", [False, True], ids=["storage-swap", "value-swap"])
+def test_anchor_swaps_in_its_weights_and_restores_the_policy(offload):
     module = _module()
     x = torch.randn(5, 3)
-    anchor = Anchor.snapshot(module)
+    anchor = Anchor.snapshot(module, offload=offload)
+    storage = module[1].weight.data_ptr()
     initial_output = module(x).detach()
     with torch.no_grad():
         module[1].weight.add_(1.0)
@@ -29,6 +31,7 @@ def test_anchor_swaps_in_its_weights_and_restores_the_policy():
     with anchor.swapped_in():
         torch.testing.assert_close(module(x), initial_output, rtol=0, atol=0)
     torch.testing.assert_close(module(x).detach(), moved_output, rtol=0, atol=0)
+    assert module[1].weight.data_ptr() == storage  # the optimizer's tensor is back in place
 
 
 def test_anchor_covers_only_trainable_parameters_and_refresh_copies_them():
@@ -47,13 +50,13 @@ def test_anchor_covers_only_trainable_parameters_and_refresh_copies_them():
     restored = Anchor.snapshot(_module())
     restored.load_state_dict(state)
     assert restored.refreshes == 1
-    assert torch.equal(restored._saved[1][0], refreshed_bias)
+    assert torch.equal(restored._saved[1], refreshed_bias)
 
 
 def test_anchor_rejects_a_checkpoint_of_other_shapes():
     anchor = Anchor.snapshot(_module())
     with pytest.raises(ValueError, match="shapes"):
-        anchor.load_state_dict({"refreshes": 0, "values": [[torch.zeros(1)], [torch.zeros(1)]]})
+        anchor.load_state_dict({"refreshes": 0, "values": [torch.zeros(1), torch.zeros(1)]})
 
 
 def test_auto_fields_are_filled_from_the_run_config():
