@@ -33,7 +33,7 @@ from pipeline.models import build_adapter
 from pipeline.models.base import PromptEmbeddings
 from pipeline.rewards.base import VideoBatch
 from pipeline.storage import CheckpointStore, load_torch
-from pipeline.tracking import Tracker
+from pipeline.tracking import Tracker, masked_config
 from stages import evaluate as evaluation
 from stages.ingest import EmbeddingCache, PromptSampler, ingest
 from stages.rollout import generate
@@ -74,7 +74,7 @@ def run(config: RunConfig, *, resume: str | None = None) -> RunSummary:
     output_dir = config.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
     if distributed.is_main():
-        (output_dir / "config.json").write_text(config.model_dump_json(indent=2))
+        (output_dir / "config.json").write_text(json.dumps(masked_config(config), indent=2))
 
     prompts = ingest(config.data)
     logger.info("prompts: %s", prompts.report.summary())

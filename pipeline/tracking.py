@@ -73,6 +73,22 @@ def loggable_params(config: BaseModel | Mapping[str, Any]) -> dict[str, str]:
     return {key: _masked(key, _as_text(value)) for key, value in _flatten(data, prefix="").items()}
 
 
+def masked_config(config: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
+    """The resolved config, nested as in YAML, with the same masking as the params: safe to save as an artifact."""
+    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
+    return _mask_tree(data, prefix="")
+
+
+def _mask_tree(node: Any, prefix: str) -> Any:
+    if isinstance(node, Mapping):
+        return {key: _mask_tree(child, f"{prefix}{key}.") for key, child in node.items()}
+    if isinstance(node, (list, tuple)):
+        return [_mask_tree(child, f"{prefix}{i}.") for i, child in enumerate(node)]
+    if node is None or isinstance(node, (bool, int, float)):
+        return MASK if SECRET_KEY.search(prefix.rstrip(".")) and node is not None else node
+    return _masked(prefix.rstrip("."), str(node))
+
+
 def _flatten(node: Any, prefix: str) -> dict[str, Any]:
     if isinstance(node, Mapping) and node:
         children = node.items()

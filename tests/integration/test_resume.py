@@ -76,10 +76,9 @@ def _wait_for(predicate, process: subprocess.Popen, timeout: float = 300) -> Non
         time.sleep(0.02)
 
 
+@pytest.mark.parametrize("straight_run", ["full"], indirect=True)  # one kind is enough for signals
 def test_sigterm_checkpoints_exits_retryable_and_resumes(straight_run, tmp_path):
     kind, straight = straight_run
-    if kind != "full":
-        pytest.skip("one kind is enough for the signal path")
     process = _start(tmp_path, kind)
     mlflow_db = tmp_path / "mlflow.db"
     # The embedding cache is written during the first rollout: the run is mid-iteration 1.
@@ -94,10 +93,9 @@ def test_sigterm_checkpoints_exits_retryable_and_resumes(straight_run, tmp_path)
     _assert_same_run(straight, tmp_path)
 
 
+@pytest.mark.parametrize("straight_run", ["full"], indirect=True)  # one kind is enough for signals
 def test_sigkill_in_the_middle_of_a_save_loses_nothing(straight_run, tmp_path):
     kind, straight = straight_run
-    if kind != "full":
-        pytest.skip("one kind is enough for the kill path")
     process = _start(tmp_path, kind)
     staging = tmp_path / "checkpoint-staging" / "step-2"
     _wait_for(lambda: staging.exists() and any(staging.rglob("*.pt")), process)

@@ -66,3 +66,16 @@ def test_cli_rejects_before_loading_any_model():
 def test_missing_config_file_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         load_run_config(tmp_path / "nope.yaml")
+
+
+def test_the_saved_config_masks_secrets_but_keeps_the_rest():
+    from pipeline.tracking import masked_config
+
+    config = load_run_config(REPO / "configs" / "demo.yaml", [
+        "rewards=[{name: remote, kwargs: {url: 'http://user:hunter2@rewards:8000', api_token: s3cr3t}}]",
+        "checkpoint.uri=s3://bucket/ckpt"])
+    saved = masked_config(config)
+    text = str(saved)
+    assert "hunter2" not in text and "s3cr3t" not in text
+    assert saved["rewards"][0]["kwargs"]["api_token"] == "***"
+    assert saved["checkpoint"]["uri"] == "s3://bucket/ckpt" and saved["sde"]["eta"] == config.sde.eta
