@@ -44,12 +44,13 @@ RUN TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" DS_BUILD_FUSED_ADAM=1 DS_BUIL
 WORKDIR /app
 COPY pyproject.toml README.md ./
 # psycopg2 is for the MLflow server (infra/k8s/base/mlflow.yaml), which runs from this image on a Postgres store.
-RUN mkdir -p pipeline stages && touch pipeline/__init__.py stages/__init__.py \
+RUN mkdir -p core stages pipeline && touch core/__init__.py stages/__init__.py pipeline/__init__.py \
  && pip install . "psycopg2-binary>=2.9,<3" && pip uninstall -y sage-grpo
 # Editable on purpose: the package finds deepspeed_configs/ beside itself (stages/update.py), so the code must run
 # from /app, where the runtime stage puts the same tree.
-COPY pipeline ./pipeline
+COPY core ./core
 COPY stages ./stages
+COPY pipeline ./pipeline
 RUN pip install --no-deps -e .
 
 # ---- runtime: the venv, configs and infra scripts on the CUDA runtime -------------------------------------------
@@ -67,8 +68,9 @@ RUN groupadd --gid 1000 sage && useradd --uid 1000 --gid sage --create-home --sh
 COPY --from=build /opt/venv /opt/venv
 WORKDIR /app
 COPY pyproject.toml README.md ./
-COPY pipeline ./pipeline
+COPY core ./core
 COPY stages ./stages
+COPY pipeline ./pipeline
 COPY configs ./configs
 COPY deepspeed_configs ./deepspeed_configs
 COPY infra ./infra

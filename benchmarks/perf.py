@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.rollout import diffusers_pipeline, median_seconds, ours
-from pipeline import distributed
-from pipeline.grpo import group_advantages
-from pipeline.models.tiny import tiny_hunyuan15
-from pipeline.rewards.base import VideoBatch, weighted_total
-from pipeline.rewards.simple import Brightness, TemporalSmoothness
+from core import distributed
+from core.grpo import group_advantages
+from core.models.tiny import tiny_hunyuan15
+from core.rewards.base import VideoBatch, weighted_total
+from core.rewards.simple import Brightness, TemporalSmoothness
 from stages.rollout import SDEConfig, generate
 from stages.update import TrustRegionConfig, UpdateConfig, Updater, accumulation_steps, build_engine
 

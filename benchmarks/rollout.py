@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from pipeline.models import build_adapter
+from core.models import build_adapter
 from stages.rollout import SDEConfig, generate
 
 

@@ -7,7 +7,7 @@ import argparse
 import torch
 
 from benchmarks.perf import report_memory, report_update
-from pipeline import distributed
+from core import distributed
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline import distributed
-from pipeline.grpo import group_advantages
-from pipeline.models.tiny import tiny_hunyuan15
+from core import distributed
+from core.grpo import group_advantages
+from core.models.tiny import tiny_hunyuan15
 from stages.rollout import SDEConfig, generate
 from stages.update import TrustRegionConfig, UpdateConfig, Updater, accumulation_steps, build_engine
 

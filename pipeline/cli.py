@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from datetime import date
 
-from pipeline import sde
-from pipeline.errors import UserError
+from core.errors import UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,6 +27,7 @@ def _add_inspect_sde(subparsers) -> None:
 
 
 def _inspect_sde(args) -> int:
+    from core import sde
     from pipeline.inspect_sde import run
 
     if args.variant != "all" and args.variant not in sde.VARIANTS:
@@ -89,13 +91,108 @@ def _sample(args) -> int:
     return sample_command(args.config, list(args.overrides), args.prompt, args.checkpoint, args.out, args.seed)
 
 
-def _add_components(subparsers) -> None:
-    """Subcommands that live beside their components."""
-    from pipeline import memory_plan, registry, schedule
-    from pipeline.rewards import server
+def _add_serve_reward(subparsers) -> None:
+    parser = subparsers.add_parser("serve-reward", help="serve configured rewards over HTTP for the remote reward")
+    parser.add_argument("config", help="YAML file with a 'rewards:' list of reward specs")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 to serve other machines)")
+    parser.add_argument("--device", help="device for the reward models (default: cuda if available, else cpu)")
+    parser.set_defaults(handler=_serve_reward)
 
-    for module in (server, memory_plan, registry, schedule):
-        module.register_cli(subparsers)
+
+def _serve_reward(args) -> int:
+    import torch
+
+    from core.rewards.server import load_reward_specs, serve
+
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    serve(load_reward_specs(args.config), args.host, args.port, device)
+    return 0
+
+
+def _add_plan(subparsers) -> None:
+    parser = subparsers.add_parser("plan", help="per-GPU memory for a config: fits or not, smallest node count")
+    parser.add_argument("config", help="run config YAML")
+    parser.add_argument("--gpus-per-node", type=int, required=True)
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--gpu-mem", type=float, default=80.0, help="GB of memory per GPU (default 80)")
+    parser.set_defaults(handler=_plan)
+
+
+def _plan(args) -> int:
+    from pipeline.memory_plan import plan_from_config
+
+    if args.gpu_mem <= 0 or not math.isfinite(args.gpu_mem):
+        raise UserError(f"--gpu-mem must be a positive number of GB, got {args.gpu_mem}")
+    print(plan_from_config(args.config, args.gpus_per_node, args.nodes, args.gpu_mem))
+    return 0
+
+
+def _add_promote(subparsers) -> None:
+    parser = subparsers.add_parser("promote", help="move the champion alias to a model version that passes the gate")
+    parser.add_argument("--model", required=True, help="registered model name")
+    parser.add_argument("--version", help="model version to judge (default: the challenger)")
+    parser.add_argument("--primary-metric", default="eval/reward")
+    parser.add_argument("--margin", type=float, default=0.0, help="the primary metric must improve by more")
+    parser.add_argument("--guard", action="append", default=[], metavar="METRIC=TOL",
+                        help="largest allowed drop of a metric; repeatable")
+    parser.add_argument("--dry-run", action="store_true", help="print the decision, change nothing")
+    parser.add_argument("--tracking-uri", help="MLflow server (default: MLFLOW_TRACKING_URI)")
+    parser.set_defaults(handler=_promote)
+
+
+def _promote(args) -> int:
+    from mlflow import MlflowClient
+
+    from core.registry import promote
+
+    if args.margin < 0:
+        raise UserError(f"--margin must be >= 0, got {args.margin}")
+    decision = promote(MlflowClient(tracking_uri=args.tracking_uri), args.model, version=args.version,
+                       primary_metric=args.primary_metric, min_improvement=args.margin,
+                       guarded=parse_guards(args.guard), dry_run=args.dry_run)
+    print(decision.summary())
+    return 0
+
+
+def parse_guards(specs: list[str]) -> dict[str, float]:
+    """``["eval/aesthetic=0.05", ...]`` as ``{"eval/aesthetic": 0.05}``."""
+    return dict(_parse_guard(spec) for spec in specs)
+
+
+def _parse_guard(spec: str) -> tuple[str, float]:
+    metric, _, tolerance = spec.rpartition("=")
+    try:
+        value = float(tolerance)
+    except ValueError:
+        value = -1.0
+    if not metric or value < 0:
+        raise UserError(f"--guard {spec!r}: expected METRIC=TOLERANCE with a tolerance >= 0")
+    return metric, value
+
+
+def _add_schedule(subparsers) -> None:
+    parser = subparsers.add_parser("schedule", help="the scheduled run: newest prompts, train, evaluate, promote")
+    parser.add_argument("--config", required=True, help="run config YAML")
+    parser.add_argument("--prompts", required=True,
+                        help="folder or s3:// prefix of prompt files, one per set, the newest sorting last "
+                             "(e.g. 2026-12-02.jsonl)")
+    parser.add_argument("--checkpoint-root", required=True, help="folder or s3:// prefix of the scheduled runs")
+    parser.add_argument("--model", required=True, help="registered model name for promotion")
+    parser.add_argument("--work-dir", default="/cache/runs", help="local folder for outputs and caches")
+    parser.add_argument("--nproc-per-node", type=int, default=8, help="training processes (GPUs) on this node")
+    parser.add_argument("--date", type=date.fromisoformat, default=None, help="today, for tests (YYYY-MM-DD)")
+    parser.add_argument("--dry-run", action="store_true", help="print the decision and commands, run nothing")
+    parser.set_defaults(handler=_schedule)
+
+
+def _schedule(args) -> int:
+    from pipeline.schedule import ScheduleOptions, run_schedule
+
+    return run_schedule(ScheduleOptions(args.config, args.prompts, args.checkpoint_root, args.model, args.work_dir,
+                                        args.nproc_per_node, args.date, args.dry_run))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(subparsers)
     _add_sample(subparsers)
     _add_inspect_sde(subparsers)
-    _add_components(subparsers)
+    for add in (_add_serve_reward, _add_plan, _add_promote, _add_schedule):
+        add(subparsers)
     return parser
 
 

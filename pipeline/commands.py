@@ -9,7 +9,7 @@ import os
 import warnings
 from pathlib import Path
 
-from pipeline import distributed
+from core import distributed
 from pipeline.config import RunConfig, load_run_config
 
 

@@ -1,7 +1,7 @@
 """The run's one config schema. Each component owns its section's model next to its code; this file assembles
 them and checks what no single section can: combinations that cannot work together.
 
-Everything here is validated before any model loads; a problem is one line naming the key (``pipeline.errors``).
+Everything here is validated before any model loads; a problem is one line naming the key (``core.errors``).
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipeline import config_loading
-from pipeline.lora import LoraConfig
-from pipeline.rewards.registry import RewardSpec
-from pipeline.storage import CheckpointConfig
-from pipeline.tracking import TrackingConfig
+from core import config_loading
+from core.lora import LoraConfig
+from core.rewards.registry import RewardSpec
+from core.storage import CheckpointConfig
+from core.tracking import TrackingConfig
 from stages.ingest import DataConfig
 from stages.rollout import SDEConfig
 from stages.update import TrustRegionConfig, UpdateConfig
@@ -26,7 +26,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    name: str = "tiny-hunyuan15"              # registry name (pipeline.models) or "package.module:factory"
+    name: str = "tiny-hunyuan15"              # registry name (core.models) or "package.module:factory"
     pretrained: str | None = None             # local directory or hub id, for the real models
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     guidance_scale: float = Field(1.0, ge=1.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pipeline import sde
+from core import sde
 
 
 def schedule_table(variant: str, steps: int, shift: float, eta: float) -> list[dict]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.errors import RETRYABLE_EXIT_CODE
+from core.errors import RETRYABLE_EXIT_CODE
 
 
 def exit_status(root_cause_exitcode: int | None, signalled: bool, retry_exit_code: int) -> int:

@@ -13,7 +13,7 @@ as bf16 tensors placed the way the ZeRO stage places parameters. Activations are
 - ``model.guidance_scale`` (1.0): above 1 the conditional and unconditional branches run as one batch, which doubles
   the activations.
 - ``model.kwargs.num_frames`` / ``height`` / ``width`` (81 x 480 x 848, the adapter's 480p default).
-- ``lora``: validated by ``pipeline.lora.LoraConfig``; the adapter is really attached, on the meta device, so the
+- ``lora``: validated by ``core.lora.LoraConfig``; the adapter is really attached, on the meta device, so the
   trainable count is peft's own.
 - ``deepspeed.config`` (``zero3``): a name in ``deepspeed_configs/`` or a JSON path, for ``zero_optimization.stage``
   and the ``offload_optimizer`` / ``offload_param`` devices.
@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import UserError
+from core.errors import UserError
 
 GIB = 2**30
 BF16_BYTES = 2
@@ -68,12 +68,12 @@ def hunyuanvideo15_shape(transformer_config: dict | None = None, lora_config=Non
     """Count ``HunyuanVideo15Transformer3DModel`` built on the meta device: no weights are read or allocated.
 
     ``transformer_config`` overrides the diffusers defaults (the 8.3B release); ``lora_config`` (a
-    ``pipeline.lora.LoraConfig`` with ``enabled``) attaches the adapter so the trainable count is peft's.
+    ``core.lora.LoraConfig`` with ``enabled``) attaches the adapter so the trainable count is peft's.
     """
     import torch
     from diffusers import HunyuanVideo15Transformer3DModel
 
-    from pipeline.lora import add_lora
+    from core.lora import add_lora
 
     with torch.device("meta"):
         model = HunyuanVideo15Transformer3DModel.from_config(transformer_config or {})
@@ -347,8 +347,8 @@ def _transformer_config(pretrained: str | None) -> dict | None:
 
 def plan_from_config(config_path: str | Path, gpus_per_node: int, nodes: int, gpu_mem_gb: float) -> MemoryPlan:
     """The plan for a run config (keys read: see the module docstring)."""
-    from pipeline.config_loading import read_yaml, validate
-    from pipeline.lora import LoraConfig
+    from core.config_loading import read_yaml, validate
+    from core.lora import LoraConfig
 
     config = read_yaml(config_path)
     model = _section(config, "model")
@@ -369,20 +369,3 @@ def plan_from_config(config_path: str | Path, gpus_per_node: int, nodes: int, gp
         batch=int(update.get("micro_batch_size", 1)) * cfg_branches,
         anchor_offload=bool(_section(config, "trust_region").get("anchor_offload", False)),
     )
-
-
-def register_cli(subparsers) -> None:
-    """Add ``plan CONFIG --gpus-per-node G --nodes N [--gpu-mem 80]`` to the ``sagegrpo`` command line."""
-    parser = subparsers.add_parser("plan", help="per-GPU memory for a config: fits or not, smallest node count")
-    parser.add_argument("config", help="run config YAML")
-    parser.add_argument("--gpus-per-node", type=int, required=True)
-    parser.add_argument("--nodes", type=int, required=True)
-    parser.add_argument("--gpu-mem", type=float, default=80.0, help="GB of memory per GPU (default 80)")
-    parser.set_defaults(handler=_plan_command)
-
-
-def _plan_command(args) -> int:
-    if args.gpu_mem <= 0 or not math.isfinite(args.gpu_mem):
-        raise UserError(f"--gpu-mem must be a positive number of GB, got {args.gpu_mem}")
-    print(plan_from_config(args.config, args.gpus_per_node, args.nodes, args.gpu_mem))
-    return 0

@@ -24,16 +24,16 @@ from pathlib import Path
 
 import torch
 
-from pipeline import distributed
+from core import distributed
 from pipeline.config import RunConfig
-from pipeline.errors import RETRYABLE_EXIT_CODE, UserError
-from pipeline.grpo import group_advantages
-from pipeline.lora import add_lora
-from pipeline.models import build_adapter
-from pipeline.models.base import PromptEmbeddings
-from pipeline.rewards.base import VideoBatch
-from pipeline.storage import CheckpointStore, load_torch
-from pipeline.tracking import Tracker, masked_config
+from core.errors import RETRYABLE_EXIT_CODE, UserError
+from core.grpo import group_advantages
+from core.lora import add_lora
+from core.models import build_adapter
+from core.models.base import PromptEmbeddings
+from core.rewards.base import VideoBatch
+from core.storage import CheckpointStore, load_torch
+from core.tracking import Tracker, masked_config
 from stages import evaluate as evaluation
 from stages.ingest import EmbeddingCache, PromptSampler, ingest
 from stages.rollout import generate
@@ -251,7 +251,7 @@ class Audit:
 def publish(config: RunConfig, policy: Policy, embeddings, scorer: Scorer, eval_prompts: list[str],
             state: RunState, tracker: Tracker) -> None:
     """Export the policy, register it as the ``challenger`` with its eval metrics, and run the promotion gate."""
-    from pipeline import export, registry
+    from core import export, registry
 
     if state.last_eval.get("iteration") != state.iteration:
         tracker.log_metrics(run_evaluation(config, policy, embeddings, scorer, eval_prompts, state, tracker),

@@ -23,7 +23,6 @@ restart me) reaches the scheduler as 75 and the next start resumes it.
 
 from __future__ import annotations
 
-import argparse
 import re
 import signal
 import subprocess
@@ -33,11 +32,25 @@ from datetime import date
 from pathlib import Path
 from typing import Literal
 
-from pipeline.errors import UserError
+from core.errors import UserError
 
 STEPS = ("train", "evaluate", "promote")
 RUN_PREFIX = "sage"
 _RUN_NAME = re.compile(rf"^{RUN_PREFIX}-\d{{4}}-\d{{2}}-\d{{2}}$")
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """What ``sagegrpo schedule`` was asked to do (the command line's options)."""
+
+    config: str
+    prompts: str
+    checkpoint_root: str
+    model: str
+    work_dir: str = "/cache/runs"
+    nproc_per_node: int = 8
+    date: date | None = None
+    dry_run: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,7 +168,7 @@ def read_runs(root: Store) -> list[RunState]:
     return runs
 
 
-def step_command(step: str, decision: Decision, args: argparse.Namespace, root: Store) -> list[str]:
+def step_command(step: str, decision: Decision, args: ScheduleOptions, root: Store) -> list[str]:
     """The command line of one step. Training runs under pipeline.launch so a checkpointed stop keeps status 75."""
     # Checkpoints (and the run's identity) live under the checkpoint root; outputs and caches on local disk.
     run_config = [f"run.name={decision.run_name}", f"run.output_dir={Path(args.work_dir) / decision.run_name}",
@@ -185,27 +198,7 @@ def run_relaying_stop_signals(command: list[str]) -> int:
             signal.signal(signum, handler)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="run config YAML")
-    parser.add_argument("--prompts", required=True,
-                        help="folder or s3:// prefix of prompt files, one per set, the newest sorting last "
-                             "(e.g. 2026-12-02.jsonl)")
-    parser.add_argument("--checkpoint-root", required=True, help="folder or s3:// prefix of the scheduled runs")
-    parser.add_argument("--model", required=True, help="registered model name for promotion")
-    parser.add_argument("--work-dir", default="/cache/runs", help="local folder for outputs and caches")
-    parser.add_argument("--nproc-per-node", type=int, default=8, help="training processes (GPUs) on this node")
-    parser.add_argument("--date", type=date.fromisoformat, default=None, help="today, for tests (YYYY-MM-DD)")
-    parser.add_argument("--dry-run", action="store_true", help="print the decision and commands, run nothing")
-
-
-def register_cli(subparsers) -> None:
-    """Add ``schedule`` to the ``sagegrpo`` command line."""
-    parser = subparsers.add_parser("schedule", help="the scheduled run: newest prompts, train, evaluate, promote")
-    add_arguments(parser)
-    parser.set_defaults(handler=run_schedule)
-
-
-def run_schedule(args: argparse.Namespace) -> int:
+def run_schedule(args: ScheduleOptions) -> int:
     root = Store(args.checkpoint_root)
     decision = decide(args.date or date.today(), Store(args.prompts).children(), read_runs(root))
     print(f"schedule: {decision.action}: {decision.reason}", flush=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.rewards.base import VideoBatch
+from core.rewards.base import VideoBatch
 from stages.rollout import SDEConfig, generate
 from stages.score import Scorer
 

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from pipeline.errors import UserError
+from core.errors import UserError
 
 log = logging.getLogger(__name__)
 

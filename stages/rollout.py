@@ -27,8 +27,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tqdm.auto import tqdm
 
-from pipeline.models.base import PromptEmbeddings, VideoModelAdapter
-from pipeline.sde import gaussian_log_prob, sde_step
+from core.models.base import PromptEmbeddings, VideoModelAdapter
+from core.sde import gaussian_log_prob, sde_step
 
 
 class SDEConfig(BaseModel):

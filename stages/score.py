@@ -19,9 +19,9 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from pipeline.errors import UserError
-from pipeline.rewards import RewardSpec, RewardUnavailable, Scores, VideoBatch, build_reward, check_scores
-from pipeline.rewards.base import merge_dimensions, weighted_total
+from core.errors import UserError
+from core.rewards import RewardSpec, RewardUnavailable, Scores, VideoBatch, build_reward, check_scores
+from core.rewards.base import merge_dimensions, weighted_total
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline import distributed, sde
-from pipeline.grpo import AdaptiveKLController, Advantages, KLFeedback, clipped_surrogate, gaussian_mean_kl, stepwise_kl
-from pipeline.trust_region import KLStrategy, TrustRegion
+from core import distributed, sde
+from core.grpo import AdaptiveKLController, Advantages, KLFeedback, clipped_surrogate, gaussian_mean_kl, stepwise_kl
+from core.trust_region import KLStrategy, TrustRegion
 from stages.anchor import Anchor
 
 DEEPSPEED_CONFIGS = Path(__file__).resolve().parent.parent / "deepspeed_configs"

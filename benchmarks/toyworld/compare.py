@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline import distributed
-from pipeline.grpo import group_advantages
-from pipeline.rewards.base import VideoBatch, weighted_total
+from core import distributed
+from core.grpo import group_advantages
+from core.rewards.base import VideoBatch, weighted_total
 from stages.rollout import SDEConfig, generate
 from stages.update import TrustRegionConfig, UpdateConfig, Updater, accumulation_steps, build_engine
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from diffusers import HunyuanVideo15Transformer3DModel
 
-from pipeline.models.base import PromptEmbeddings, VideoModelAdapter, frames_to_uint8
+from core.models.base import PromptEmbeddings, VideoModelAdapter, frames_to_uint8
 
 from . import world
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.rewards.base import VideoBatch
-from pipeline.sde import shift_sigmas
+from core.rewards.base import VideoBatch
+from core.sde import shift_sigmas
 from stages.rollout import SDEConfig, generate
 
 from . import world

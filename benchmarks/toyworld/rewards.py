@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from pipeline.rewards.base import Scores, VideoBatch
+from core.rewards.base import Scores, VideoBatch
 
 from . import world
 
@@ -98,7 +98,7 @@ def motion_quality(strength: torch.Tensor, centroids: torch.Tensor) -> float:
 
 
 class ToyWorldReward:
-    """The reward contract of ``pipeline.rewards.base``: {"TA", "VQ", "MQ"} -> one score per video."""
+    """The reward contract of ``core.rewards.base``: {"TA", "VQ", "MQ"} -> one score per video."""
 
     default_weights = WEIGHTS
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import RETRYABLE_EXIT_CODE
+from core.errors import RETRYABLE_EXIT_CODE
 
 pytestmark = pytest.mark.distributed
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pipeline import distributed
-from pipeline.grpo import group_advantages
-from pipeline.lora import LoraConfig, add_lora
-from pipeline.models.tiny import tiny_hunyuan15
+from core import distributed
+from core.grpo import group_advantages
+from core.lora import LoraConfig, add_lora
+from core.models.tiny import tiny_hunyuan15
 from stages.rollout import SDEConfig, generate
 from stages.update import TrustRegionConfig, UpdateConfig, Updater, accumulation_steps, build_engine
 

@@ -5,7 +5,7 @@ import json
 import boto3
 import pytest
 
-from pipeline.errors import UserError
+from core.errors import UserError
 from stages.ingest import DataConfig, ingest
 
 pytestmark = pytest.mark.integration

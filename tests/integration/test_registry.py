@@ -16,12 +16,12 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from pipeline import registry
-from pipeline.errors import UserError
-from pipeline.export import LORA_WEIGHT_NAME, export_full, export_lora
-from pipeline.lora import LoraConfig, add_lora
-from pipeline.models.tiny import tiny_hunyuan15_pipeline
-from pipeline.registry import (
+from core import registry
+from core.errors import UserError
+from core.export import LORA_WEIGHT_NAME, export_full, export_lora
+from core.lora import LoraConfig, add_lora
+from core.models.tiny import tiny_hunyuan15_pipeline
+from core.registry import (
     CHALLENGER,
     CHAMPION,
     DECISION_TAG,
@@ -265,10 +265,9 @@ def test_dry_run_changes_nothing(client, model_name, trained, run_id):
 
 def test_promote_cli_prints_the_decision_and_reports_unknown_models_as_user_errors(
         client, model_name, trained, run_id, server, capsys):
-    import argparse
+    from pipeline.cli import build_parser
 
-    parser = argparse.ArgumentParser()
-    registry.register_cli(parser.add_subparsers())
+    parser = build_parser()
     run = lambda *argv: (args := parser.parse_args(["promote", "--tracking-uri", server.url, *argv])).handler(args)
     register(client, model_name, trained, run_id, step=1, **{"eval/reward": 0.5, "eval/aesthetic": 0.8})
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.errors import RETRYABLE_EXIT_CODE
+from core.errors import RETRYABLE_EXIT_CODE
 from tests.integration.pipeline_runs import (
     REPO,
     consolidated_weights,

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from pipeline.rewards import RewardSpec, VideoBatch
+from core.rewards import RewardSpec, VideoBatch
 from stages.score import Scorer
 
 pytestmark = pytest.mark.integration

@@ -15,7 +15,7 @@ import boto3
 import pytest
 from botocore.exceptions import BotoCoreError, ClientError
 
-from pipeline.storage import MANIFEST_NAME, MiB, CheckpointError, CheckpointConfig, CheckpointStore
+from core.storage import MANIFEST_NAME, MiB, CheckpointError, CheckpointConfig, CheckpointStore
 
 pytestmark = pytest.mark.integration
 

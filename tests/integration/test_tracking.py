@@ -7,7 +7,7 @@ import matplotlib
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.tracking import BUFFER_FILE, Tracker, TrackingConfig
+from core.tracking import BUFFER_FILE, Tracker, TrackingConfig
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 (after choosing the headless backend)
@@ -92,7 +92,7 @@ def test_resume_by_run_id_appends_to_the_same_run(mlflow_server, tmp_path, caplo
 
 
 def test_outage_buffers_metrics_and_flushes_them_when_the_server_returns(mlflow_server, tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="pipeline.tracking")
+    caplog.set_level(logging.WARNING, logger="core.tracking")
     running = tracker_for(mlflow_server, tmp_path / "running")
     run_id = running.start({"seed": 1})
     running.log_metrics({"loss": 3.0}, step=0)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import load_run_config
-from pipeline.errors import UserError
+from core.errors import UserError
 
 pytestmark = pytest.mark.unit
 
@@ -69,7 +69,7 @@ def test_missing_config_file_is_a_user_error(tmp_path):
 
 
 def test_the_saved_config_masks_secrets_but_keeps_the_rest():
-    from pipeline.tracking import masked_config
+    from core.tracking import masked_config
 
     config = load_run_config(REPO / "configs" / "demo.yaml", [
         "rewards=[{name: remote, kwargs: {url: 'http://user:hunter2@rewards:8000', api_token: s3cr3t}}]",

@@ -3,7 +3,7 @@ more than 5x across the schedule, and within a small factor once each step is we
 
 import pytest
 
-from pipeline.models.tiny import tiny_hunyuan15
+from core.models.tiny import tiny_hunyuan15
 from stages.rollout import SDEConfig, generate
 from stages.update import timestep_gradient_norms
 

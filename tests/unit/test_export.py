@@ -8,9 +8,9 @@ import torch
 from diffusers import HunyuanVideo15Transformer3DModel
 from safetensors import safe_open
 
-from pipeline.export import EXPORT_MANIFEST, LORA_WEIGHT_NAME, export_full, export_lora, read_export_manifest
-from pipeline.lora import LoraConfig, add_lora
-from pipeline.models.tiny import tiny_hunyuan15_pipeline
+from core.export import EXPORT_MANIFEST, LORA_WEIGHT_NAME, export_full, export_lora, read_export_manifest
+from core.lora import LoraConfig, add_lora
+from core.models.tiny import tiny_hunyuan15_pipeline
 
 pytestmark = pytest.mark.unit
 

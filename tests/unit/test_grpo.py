@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pipeline.grpo import (
+from core.grpo import (
     AdaptiveKLController,
     KLFeedback,
     clipped_surrogate,

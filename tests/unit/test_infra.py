@@ -21,7 +21,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from pipeline import launch, schedule
-from pipeline.errors import RETRYABLE_EXIT_CODE, UserError
+from core.errors import RETRYABLE_EXIT_CODE, UserError
 
 pytestmark = pytest.mark.unit
 
@@ -353,15 +353,12 @@ def test_unscheduled_runs_are_ignored_and_missing_prompts_are_a_user_error():
         schedule.decide(TODAY, PROMPT_SETS, [_run("sage-2026-12-01", prompt_set=None)])
 
 
-def _args(tmp_path: Path, **overrides):
+def _args(tmp_path: Path, day: str = "2026-12-03", dry_run: bool = False) -> schedule.ScheduleOptions:
     prompts = tmp_path / "prompts"
     for name in ("2026-12-01", "2026-12-02"):
         (prompts / name).mkdir(parents=True, exist_ok=True)
-    parser = argparse.ArgumentParser()
-    schedule.add_arguments(parser)
-    argv = ["--config", "configs/x.yaml", "--prompts", str(prompts), "--checkpoint-root", str(tmp_path / "ckpt"),
-            "--model", "m", "--date", overrides.pop("day", "2026-12-03")]
-    return parser.parse_args(argv + overrides.pop("extra", []))
+    return schedule.ScheduleOptions("configs/x.yaml", str(prompts), str(tmp_path / "ckpt"), "m",
+                                    date=date.fromisoformat(day), dry_run=dry_run)
 
 
 @pytest.fixture
@@ -401,7 +398,7 @@ def test_a_checkpointed_stop_is_passed_on_and_resumed_at_the_next_start(tmp_path
 
 def test_dry_run_writes_nothing(tmp_path, steps, capsys):
     ran, _ = steps
-    assert schedule.run_schedule(_args(tmp_path, extra=["--dry-run"])) == 0
+    assert schedule.run_schedule(_args(tmp_path, dry_run=True)) == 0
     assert not (tmp_path / "ckpt").exists() and len(ran) == len(schedule.STEPS)
     assert "schedule: new: new run sage-2026-12-03" in capsys.readouterr().out
 

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from pipeline.errors import UserError
+from core.errors import UserError
 from stages.ingest import DataConfig, EmbeddingCache, PromptSampler, in_eval_split, ingest
 
 pytestmark = pytest.mark.unit

@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from pipeline import memory_plan
-from pipeline.errors import UserError
-from pipeline.lora import LoraConfig
+from core.errors import UserError
+from core.lora import LoraConfig
 
 pytestmark = pytest.mark.unit
 
@@ -162,10 +162,9 @@ def test_plan_from_a_config_reads_the_run_schema(tmp_path, counted):
 
 
 def test_plan_command_is_registered_with_the_documented_flags(capsys, tmp_path, counted):
-    import argparse
+    from pipeline.cli import build_parser
 
-    parser = argparse.ArgumentParser()
-    memory_plan.register_cli(parser.add_subparsers(dest="command"))
+    parser = build_parser()
     config = tmp_path / "run.yaml"
     config.write_text("model: {name: hunyuan15}\nlora: {enabled: true}\n")
     args = parser.parse_args(["plan", str(config), "--gpus-per-node", "8", "--nodes", "1"])

@@ -9,12 +9,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from pipeline.errors import UserError
-from pipeline.grpo import group_advantages
-from pipeline.rewards import RewardSpec, VideoBatch, build_reward
-from pipeline.rewards.frames import sampled_frame_count, smart_resize, uniform_frame_indices
-from pipeline.rewards import videoalign
-from pipeline.rewards.clip import tiny_clipscore, tiny_pickscore
+from core.errors import UserError
+from core.grpo import group_advantages
+from core.rewards import RewardSpec, VideoBatch, build_reward
+from core.rewards.frames import sampled_frame_count, smart_resize, uniform_frame_indices
+from core.rewards import videoalign
+from core.rewards.clip import tiny_clipscore, tiny_pickscore
 from stages.score import Scorer
 
 pytestmark = pytest.mark.unit

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.models.tiny import tiny_hunyuan15, tiny_wan
-from pipeline.sde import flow_match_sigmas
+from core.models.tiny import tiny_hunyuan15, tiny_wan
+from core.sde import flow_match_sigmas
 from stages.rollout import SDEConfig, generate, recompute_log_probs
 
 pytestmark = pytest.mark.unit

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pipeline import sde
+from core import sde
 
 pytestmark = pytest.mark.unit
 
@@ -20,7 +20,7 @@ def _inputs(batch=3, shape=(2, 4, 5), seed=0):
 
 
 def _hand_mean_std(variant, x, v, sigma, sigma_next, eta):
-    """The spec's table, written out with Python floats independently of pipeline.sde."""
+    """The spec's table, written out with Python floats independently of core.sde."""
     dt = sigma_next - sigma
     score = -(x - (1 - sigma) * (x - sigma * v)) / sigma**2
     if variant == "dance":

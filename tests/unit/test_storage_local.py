@@ -14,8 +14,8 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from pipeline.errors import UserError
-from pipeline.storage import (
+from core.errors import UserError
+from core.storage import (
     MANIFEST_NAME,
     CheckpointError,
     CheckpointStore,
@@ -118,7 +118,7 @@ def test_corruption_is_an_error_when_requested_and_skipped_by_auto(tmp_path, roo
         store.resolve(2)
     with pytest.raises(CheckpointError):
         store.download(2, tmp_path / "restored")
-    with caplog.at_level(logging.INFO, logger="pipeline.storage"):
+    with caplog.at_level(logging.INFO, logger="core.storage"):
         assert store.resolve("auto") == 1
     assert "step-1" in caplog.text
 
@@ -237,7 +237,7 @@ def test_prune_logs_a_failed_deletion_and_carries_on(tmp_path, store, monkeypatc
         delete_tree(prefix)
 
     monkeypatch.setattr(store.backend, "delete_tree", failing_delete_tree)
-    with caplog.at_level(logging.WARNING, logger="pipeline.storage"):
+    with caplog.at_level(logging.WARNING, logger="core.storage"):
         assert store.prune(keep_last=2) == [2]
     assert "could not delete" in caplog.text and "read-only" in caplog.text
     assert store.list_steps() == [3, 4]  # step 1 lost its manifest first: leftover files, never a broken checkpoint

@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.toyworld import world  # noqa: E402
 from benchmarks.toyworld.rewards import ToyWorldReward, manifold_drift  # noqa: E402
-from pipeline.models.base import frames_to_uint8  # noqa: E402
-from pipeline.rewards.base import VideoBatch  # noqa: E402
+from core.models.base import frames_to_uint8  # noqa: E402
+from core.rewards.base import VideoBatch  # noqa: E402
 
 pytestmark = pytest.mark.unit
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.trust_region import KLStrategy, TrustRegion
+from core.trust_region import KLStrategy, TrustRegion
 
 pytestmark = pytest.mark.unit
 

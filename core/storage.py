@@ -41,7 +41,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from safetensors.torch import load_file
 
-from pipeline.errors import UserError
+from core.errors import UserError
 
 logger = logging.getLogger(__name__)
 

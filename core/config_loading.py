@@ -8,7 +8,7 @@ from typing import TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from pipeline.errors import UserError
+from core.errors import UserError
 
 Model = TypeVar("Model", bound=BaseModel)
 

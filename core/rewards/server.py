@@ -8,7 +8,6 @@ one request at a time: GPU reward models are not thread-safe, and one model at f
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import threading
@@ -128,23 +127,3 @@ def load_reward_specs(path: str) -> list[RewardSpec]:
     return config_loading.validate(_ServedRewards, config_loading.read_yaml(path), source=path).rewards
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML file with a 'rewards:' list of reward specs")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
-    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 to serve other machines)")
-    parser.add_argument("--device", help="device for the reward models (default: cuda if available, else cpu)")
-
-
-def register_cli(subparsers) -> None:
-    """Add ``serve-reward CONFIG --port P`` to the ``sagegrpo`` command line."""
-    parser = subparsers.add_parser("serve-reward", help="serve configured rewards over HTTP for the remote reward")
-    add_arguments(parser)
-    parser.set_defaults(handler=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    if not 0 <= args.port <= 65535:
-        raise UserError(f"--port must be in [0, 65535], got {args.port}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    serve(load_reward_specs(args.config), args.host, args.port, device)
-    return 0

@@ -34,9 +34,9 @@ import safetensors.torch
 import torch
 from huggingface_hub import save_torch_state_dict
 
-from pipeline import distributed
-from pipeline.lora import ADAPTER_NAME
-from pipeline.storage import _fsync_dirs, _move_into_place, _sha256_and_size
+from core import distributed
+from core.lora import ADAPTER_NAME
+from core.storage import _fsync_dirs, _move_into_place, _sha256_and_size
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 TRANSFORMER_PREFIX = "transformer"  # the component name diffusers' LoRA loaders filter keys by

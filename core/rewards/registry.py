@@ -22,16 +22,16 @@ WEIGHT_PRESETS: dict[str, dict[str, float]] = {
 
 # name -> "module:factory"; a factory is a class or a function returning a reward.
 BUILTIN_REWARDS = {
-    "videoalign": "pipeline.rewards.videoalign:load_videoalign",
-    "tiny-videoalign": "pipeline.rewards.videoalign:tiny_videoalign",
-    "clipscore": "pipeline.rewards.clip:load_clipscore",
-    "pickscore": "pipeline.rewards.clip:load_pickscore",
-    "tiny-clipscore": "pipeline.rewards.clip:tiny_clipscore",
-    "tiny-pickscore": "pipeline.rewards.clip:tiny_pickscore",
-    "brightness": "pipeline.rewards.simple:Brightness",
-    "colorfulness": "pipeline.rewards.simple:Colorfulness",
-    "temporal_smoothness": "pipeline.rewards.simple:TemporalSmoothness",
-    "remote": "pipeline.rewards.remote:RemoteReward",
+    "videoalign": "core.rewards.videoalign:load_videoalign",
+    "tiny-videoalign": "core.rewards.videoalign:tiny_videoalign",
+    "clipscore": "core.rewards.clip:load_clipscore",
+    "pickscore": "core.rewards.clip:load_pickscore",
+    "tiny-clipscore": "core.rewards.clip:tiny_clipscore",
+    "tiny-pickscore": "core.rewards.clip:tiny_pickscore",
+    "brightness": "core.rewards.simple:Brightness",
+    "colorfulness": "core.rewards.simple:Colorfulness",
+    "temporal_smoothness": "core.rewards.simple:TemporalSmoothness",
+    "remote": "core.rewards.remote:RemoteReward",
 }
 
 

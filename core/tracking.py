@@ -30,7 +30,7 @@ from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline import distributed
+from core import distributed
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,6 @@ rerun.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import tempfile
@@ -46,9 +45,9 @@ from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_
 from mlflow.pyfunc import PythonModel
 from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
-from pipeline.errors import UserError
-from pipeline.export import LORA_WEIGHT_NAME, read_export_manifest
-from pipeline.storage import _sha256_and_size, load_tensors
+from core.errors import UserError
+from core.export import LORA_WEIGHT_NAME, read_export_manifest
+from core.storage import _sha256_and_size, load_tensors
 
 CHALLENGER = "challenger"
 CHAMPION = "champion"
@@ -73,7 +72,7 @@ def export_key(run_id: str, step: int) -> str:
 
 def register_export(client: MlflowClient, model_name: str, export_dir: str | Path, run_id: str,
                     metrics: dict[str, float], export_key: str, *, base_model: str) -> ModelVersion:
-    """Register a verified export (see :mod:`pipeline.export`) as a version of ``model_name`` tagged with its eval
+    """Register a verified export (see :mod:`core.export`) as a version of ``model_name`` tagged with its eval
     metrics, and point the ``challenger`` alias at it. Rerunning with the same ``export_key`` creates nothing new."""
     kind = read_export_manifest(export_dir)["kind"]  # refuses an incomplete or corrupted export
     _ensure_registered_model(client, model_name)
@@ -166,7 +165,7 @@ class VideoPolicyModel(PythonModel):
     """
 
     def load_context(self, context) -> None:
-        from pipeline.models import build_adapter
+        from core.models import build_adapter
 
         export_dir = Path(context.artifacts["export"])
         read_export_manifest(export_dir)  # a corrupted weight file fails here, not as garbage videos
@@ -367,47 +366,3 @@ def _record(client: MlflowClient, decision: PromotionDecision) -> None:
                                  f"{outcome}: {'; '.join(decision.reasons)}"[:5000])
     if decision.promoted:
         client.set_registered_model_alias(decision.model_name, CHAMPION, decision.version)
-
-
-# Command line
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def register_cli(subparsers) -> None:
-    """Add ``promote`` to the ``sagegrpo`` command line."""
-    parser = subparsers.add_parser("promote", help="move the champion alias to a model version that passes the gate")
-    parser.add_argument("--model", required=True, help="registered model name")
-    parser.add_argument("--version", help="model version to judge (default: the challenger)")
-    parser.add_argument("--primary-metric", default=DEFAULT_PRIMARY_METRIC)
-    parser.add_argument("--margin", type=float, default=0.0, help="the primary metric must improve by more")
-    parser.add_argument("--guard", action="append", default=[], metavar="METRIC=TOL",
-                        help="largest allowed drop of a metric; repeatable")
-    parser.add_argument("--dry-run", action="store_true", help="print the decision, change nothing")
-    parser.add_argument("--tracking-uri", help="MLflow server (default: MLFLOW_TRACKING_URI)")
-    parser.set_defaults(handler=_promote_command)
-
-
-def _promote_command(args: argparse.Namespace) -> int:
-    if args.margin < 0:
-        raise UserError(f"--margin must be >= 0, got {args.margin}")
-    decision = promote(MlflowClient(tracking_uri=args.tracking_uri), args.model, version=args.version,
-                       primary_metric=args.primary_metric, min_improvement=args.margin,
-                       guarded=parse_guards(args.guard), dry_run=args.dry_run)
-    print(decision.summary())
-    return 0
-
-
-def parse_guards(specs: list[str]) -> dict[str, float]:
-    """``["eval/aesthetic=0.05", ...]`` as ``{"eval/aesthetic": 0.05}``."""
-    return dict(_parse_guard(spec) for spec in specs)
-
-
-def _parse_guard(spec: str) -> tuple[str, float]:
-    metric, _, tolerance = spec.rpartition("=")
-    try:
-        value = float(tolerance)
-    except ValueError:
-        value = -1.0
-    if not metric or value < 0:
-        raise UserError(f"--guard {spec!r}: expected METRIC=TOLERANCE with a tolerance >= 0")
-    return metric, value

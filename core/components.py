@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from pipeline.errors import UserError
+from core.errors import UserError
 
 
 def resolve(name: str, registry: dict[str, str], kind: str) -> Callable:

@@ -1,0 +1,36 @@
+"""The house has three floors and every import points down: pipeline (application) -> stages -> core (foundation)."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FLOORS = ["core", "stages", "pipeline"]  # bottom to top
+
+pytestmark = pytest.mark.unit
+
+
+def _imported_packages(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", FLOORS)
+def test_imports_only_point_down(package):
+    above = set(FLOORS[FLOORS.index(package) + 1:])
+    offenders = {str(path.relative_to(ROOT)): sorted(_imported_packages(path) & above)
+                 for path in (ROOT / package).rglob("*.py") if _imported_packages(path) & above}
+    assert offenders == {}, f"{package}/ imports a higher floor"
+
+
+def test_argparse_lives_only_in_the_cli_and_the_launcher():
+    users = {str(path.relative_to(ROOT)) for package in FLOORS for path in (ROOT / package).rglob("*.py")
+             if "argparse" in _imported_packages(path)}
+    # pipeline.launch parses only its own flags before handing the rest to torchrun.
+    assert users == {"pipeline/cli.py", "pipeline/launch.py"}
