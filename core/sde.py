@@ -17,7 +17,8 @@ import torch
 
 VARIANTS = ("dance", "flow", "cps", "sage")
 
-# SAGE's reference code clamps sigma below 1 before the log, so the first step's variance stays finite.
+# SAGE's reference code clamps sigma below 1 before the log, so the first step's variance stays finite. We clamp both
+# ends of the step (see ``sage_integrated_variance``).
 SAGE_SIGMA_CLAMP = 1.0 - 3e-3
 
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -39,6 +40,16 @@ def check_variant(variant: str) -> str:
     return variant
 
 
+def check_eta(variant: str, eta: float) -> float:
+    """eta >= 0 for every variant; CPS also needs eta <= 1 (its std is sigma_next * sin(eta pi / 2): above 1 the noise
+    shrinks again and the mean's Jacobian changes sign, so the equalizer would be wrong)."""
+    if not eta >= 0:
+        raise ValueError(f"eta must be >= 0, got {eta}")
+    if variant == "cps" and eta > 1:
+        raise ValueError(f"eta must be <= 1 for the cps variant, got {eta}")
+    return eta
+
+
 def _math_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
@@ -54,9 +65,18 @@ def _per_sample(value: float | torch.Tensor, like: torch.Tensor, dtype: torch.dt
 
 
 def sage_integrated_variance(sigma: torch.Tensor, sigma_next: torch.Tensor, eta: float) -> torch.Tensor:
-    """Sigma_t: the exact integral of eta^2 * s / (1 - s) over [sigma_next, sigma]."""
-    clamped = torch.clamp(sigma, max=SAGE_SIGMA_CLAMP)
-    return eta**2 * (-(sigma - sigma_next) + torch.log((1.0 - sigma_next) / (1.0 - clamped)))
+    """Sigma_t: the exact integral of eta^2 * s / (1 - s) over [min(sigma_next, c), min(sigma, c)], c = 1 - 3e-3.
+
+    The reference clamps only sigma; then a step with sigma_next > c integrates over a reversed interval and
+    Sigma_t < 0 (NaN std: the first step of every schedule of 68+ steps at shift 5). Clamping both ends keeps the
+    integrand's domain, so Sigma_t >= 0 always; it differs from the paper's formula only on steps that start above c,
+    by at most 0.003 * eta^2. A step entirely above c injects no noise. Written with log1p(d / (1 - s_hi)) - d
+    (d = s_hi - s_lo) so that short steps (T = 1000) do not lose the O(d^2) result to cancellation.
+    """
+    high = torch.clamp(sigma, max=SAGE_SIGMA_CLAMP)
+    width = high - torch.clamp(sigma_next, max=SAGE_SIGMA_CLAMP)
+    # log1p(x) >= x / (1 + x) makes the exact value >= 0; the clamp only removes a rounding of -1 ulp.
+    return eta**2 * torch.clamp(torch.log1p(width / (1.0 - high)) - width, min=0.0)
 
 
 def _flow_noise_scale(sigma, sigma_next, eta, flow_sigma_max):
@@ -118,9 +138,7 @@ def sde_step(
     Euler step ``x + dt * v`` for every variant: noise injected there would stay in the output video. ``eta = 0``
     makes every variant the deterministic Euler step. Deterministic steps have ``std = 0`` and ``log_prob = 0``.
     """
-    check_variant(variant)
-    if eta < 0:
-        raise ValueError(f"eta must be >= 0, got {eta}")
+    check_eta(check_variant(variant), eta)
     dtype = _math_dtype(velocity, latents)
     v = velocity.to(dtype)
     x = latents.to(dtype)
@@ -171,8 +189,17 @@ def _std_and_mean_jacobian(variant, sigma, sigma_next, eta, flow_sigma_max):
 
 
 def noise_stds(variant: str, sigmas: torch.Tensor, eta: float, *, flow_sigma_max: float | None = None) -> torch.Tensor:
-    """The noise std of every step of a schedule (``sigmas`` has T+1 entries ending at 0); 0 on deterministic steps."""
+    """The noise std of every step of a schedule (``sigmas`` has T+1 entries ending at 0); 0 on deterministic steps.
+
+    Raises ValueError when a step's std is not
+    finite or negative: such a step must never pass for a deterministic one (it would silently stop training).
+    """
     std, _ = _schedule_terms(variant, sigmas, eta, flow_sigma_max)
+    bad = ~torch.isfinite(std) | (std < 0)
+    if torch.any(bad):
+        t = int(torch.nonzero(bad).flatten()[0])
+        raise ValueError(f"the {variant} noise std of step {t} of {len(std)} is {float(std[t])} "
+                         f"(sigma {float(sigmas[t]):.6g} -> {float(sigmas[t + 1]):.6g})")
     return std
 
 
@@ -185,10 +212,9 @@ def gradient_scales(variant: str, sigmas: torch.Tensor, eta: float, *, flow_sigm
 
 def _schedule_terms(variant, sigmas, eta, flow_sigma_max):
     check_variant(variant)
-    if eta < 0:
-        raise ValueError(f"eta must be >= 0, got {eta}")
-    sigmas = torch.as_tensor(sigmas, dtype=torch.float64)
+    sigmas = torch.as_tensor(sigmas, dtype=torch.float64).cpu()
     sigma, sigma_next = sigmas[:-1], sigmas[1:]
+    check_eta(variant, eta)
     stochastic = (sigma_next > 0) & (eta > 0)
     stand_in = torch.where(sigma_next > 0, sigma_next, sigma * 0.5)
     std, jacobian = _std_and_mean_jacobian(variant, sigma, stand_in, eta, flow_sigma_max)

@@ -6,11 +6,13 @@ Recipe, per call of ``generate``:
   3. every sample gets its own random generator, seeded by (seed, group id, member index): its initial noise and
      every step's noise come from it, so a sample is the same whatever the batch size, order or number of ranks;
   4. batches of samples go through the T denoising steps: velocity, then ``sde.sde_step`` inside the stochastic window
-     (Euler outside it), recording latents, Gaussian means and log-probs in float32;
+     (Euler outside it), recording latents and log-probs in float32;
   5. the final latents are decoded to uint8 videos.
 
-``recompute_log_probs`` scores the recorded transitions under the current (or another) module. It evaluates the
-same batches through the same code path as the rollout, so before any update it reproduces the recorded log-probs
+``score_transition`` is the one scorer of a recorded transition: ``recompute_log_probs``, the update's policy, anchor
+and lagged forwards and the equalizer diagnostic all call it, and ``SDEConfig.trained_steps_mask`` is the one rule
+for which steps train. ``recompute_log_probs`` evaluates the same batches through the same code path as the
+rollout, so before any update it reproduces the recorded log-probs
 bit for bit: the policy ratio is exactly 1. Other batch compositions (``sample_index``) agree only to float precision,
 because matmul and attention kernels change with the batch size (even on CPU: batches of 1 differ from batches of 4
 by about 1e-6). Training that needs ratio == 1 exactly must score the rollout's own ``batches``, i.e. use the
@@ -28,12 +30,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tqdm.auto import tqdm
 
 from core.models.base import PromptEmbeddings, VideoModelAdapter
-from core.sde import gaussian_log_prob, sde_step
+from core.sde import SDEStepOutput, check_eta, flow_match_sigmas, gaussian_log_prob, noise_stds, sde_step
 
 
 class SDEConfig(BaseModel):
     """The rollout sampler. ``window`` = (start, end) makes steps start..end-1 stochastic and the rest deterministic
-    (MixGRPO / Flow-GRPO-Fast); only stochastic steps are trained. ``ode`` samples deterministically everywhere."""
+    (MixGRPO / Flow-GRPO-Fast); only stochastic steps are trained. ``ode`` samples deterministically everywhere.
+
+    Validated when the config loads, before any model: every step's noise std is finite and >= 0 on this schedule
+    (a NaN std must never pass for a deterministic step), CPS's eta is at most 1, and some step trains."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -44,11 +49,14 @@ class SDEConfig(BaseModel):
     window: tuple[int, int] | None = None
 
     @model_validator(mode="after")
-    def _window_inside_schedule(self) -> "SDEConfig":
+    def _valid_schedule(self) -> "SDEConfig":
         if self.window is not None:
             start, end = self.window
             if not 0 <= start < end <= self.steps:
                 raise ValueError(f"window must satisfy 0 <= start < end <= steps={self.steps}, got {self.window}")
+        check_eta(self.sde_variant, self.eta)
+        if self.variant != "ode" and not self.trained_steps_mask().any():
+            raise ValueError(f"no step of this schedule injects noise (window {self.window}): nothing would train")
         return self
 
     @property
@@ -62,6 +70,21 @@ class SDEConfig(BaseModel):
         stochastic = self.variant != "ode"
         return [self.eta if stochastic and start <= t < end else 0.0 for t in range(self.steps)]
 
+    def schedule_stds(self, sigmas: torch.Tensor | None = None) -> torch.Tensor:
+        """[T] float64 noise std of every step, 0 outside the window; ``sigmas`` default to the flow-matching
+        schedule, the rollout passes its scheduler's. Raises ValueError on a non-finite or negative std."""
+        sigmas = flow_match_sigmas(self.steps, self.shift) if sigmas is None else sigmas
+        stds = noise_stds(self.sde_variant, sigmas, self.eta)
+        return torch.where(torch.tensor(self.step_etas(), dtype=torch.float64) > 0, stds, 0.0)
+
+    def trained_steps_mask(self, sigmas: torch.Tensor | None = None) -> torch.Tensor:
+        """The one rule for which steps train: [T] bool, True on the steps that inject noise inside the window.
+
+        Never the last step (to sigma 0, deterministic for every variant) nor a SAGE step lying wholly above its
+        sigma clamp (no noise): neither has a log-prob, so training them would only add zero-gradient micro-steps.
+        """
+        return self.schedule_stds(sigmas) > 0
+
 
 @dataclass
 class Rollout:
@@ -72,14 +95,13 @@ class Rollout:
     embeddings: PromptEmbeddings  # of the P prompts
     sde_config: SDEConfig
     sigmas: torch.Tensor  # [T+1], from 1 to 0
-    step_etas: torch.Tensor  # [T], 0 on deterministic steps
-    stds: torch.Tensor  # [T], the noise std of each step; 0 on deterministic steps
-    trained_steps: torch.Tensor  # [T] bool: the stochastic steps, the only ones with a policy gradient
+    step_etas: torch.Tensor  # [T] float64 (exactly the config's eta), 0 on deterministic steps; CPU
+    stds: torch.Tensor  # [T] float32, the noise std of each step; 0 on deterministic steps; CPU
+    trained_steps: torch.Tensor  # [T] bool, CPU: ``SDEConfig.trained_steps_mask`` of this schedule
     prompt_index: torch.Tensor  # [N] long: position of the sample's prompt in ``prompts`` (its group)
     group_ids: torch.Tensor  # [N] long: the caller's id of that group, part of the sample's seed
     member_index: torch.Tensor  # [N] long: 0..G-1 within the group
     latents: torch.Tensor  # [N, T+1, C, F, H, W]: initial noise, then the latents after every step
-    means: torch.Tensor  # [N, T, C, F, H, W]: mean of each step's Gaussian
     log_probs: torch.Tensor  # [N, T]: log-density of each recorded transition; 0 on deterministic steps
     videos: torch.Tensor | None  # [N, F, H, W, 3] uint8, or None when not decoded
     batches: list[torch.Tensor]  # the sample indices of each transformer batch, in order
@@ -136,7 +158,9 @@ def generate(
     if len(prompt_ids) != len(prompts):
         raise ValueError(f"{len(prompt_ids)} prompt_ids for {len(prompts)} prompts")
 
-    sigmas = adapter.sigma_schedule(sde_config.steps, sde_config.shift).to(adapter.device)
+    schedule = adapter.sigma_schedule(sde_config.steps, sde_config.shift)
+    sigmas = schedule.to(adapter.device)
+    stds = sde_config.schedule_stds(schedule.cpu())  # raises on a NaN std: never a silently untrained step
     step_etas = sde_config.step_etas()
     if embeddings is None:  # callers with an embedding cache pass the prompts' embeddings in
         embeddings = adapter.encode_prompts(prompts)
@@ -164,21 +188,19 @@ def generate(
     bar.close()
 
     latents = torch.cat([c["latents"] for c in chains])
-    stds = chains[0]["stds"]  # a function of the schedule alone: the same for every batch
     videos = _decode_in_batches(adapter, latents[:, -1], batches) if decode else None
     return Rollout(
         prompts=list(prompts),
         embeddings=embeddings,
         sde_config=sde_config,
         sigmas=sigmas,
-        step_etas=torch.tensor(step_etas, dtype=torch.float32),
-        stds=stds,
-        trained_steps=stds.cpu() > 0,
+        step_etas=torch.tensor(step_etas, dtype=torch.float64),
+        stds=stds.float(),
+        trained_steps=stds > 0,
         prompt_index=prompt_index,
         group_ids=group_ids,
         member_index=member_index,
         latents=latents,
-        means=torch.cat([c["means"] for c in chains]),
         log_probs=torch.cat([c["log_probs"] for c in chains]),
         videos=videos,
         batches=batches,
@@ -186,9 +208,9 @@ def generate(
 
 
 def _denoise(adapter, embeddings, generators, sigmas, step_etas, variant, on_step) -> dict[str, torch.Tensor]:
-    """One batch through every step: latents [B, T+1, ...], means [B, T, ...], log_probs [B, T] and stds [T]."""
+    """One batch through every step: latents [B, T+1, ...] and log_probs [B, T]."""
     x = _per_sample_noise(generators, adapter.latent_shape(), adapter.device)
-    latents, means, log_probs, stds = [x], [], [], []
+    latents, log_probs = [x], []
     for t, eta in enumerate(step_etas):
         sigma, sigma_next = _step_sigmas(sigmas, t, len(x))
         velocity = adapter.predict_velocity(x, sigma, embeddings)
@@ -199,16 +221,9 @@ def _denoise(adapter, embeddings, generators, sigmas, step_etas, variant, on_ste
         gaussian = sde_step(variant, velocity, x, sigma, sigma_next, eta, prev_sample=x)
         x = gaussian.mean + gaussian.std * noise
         latents.append(x)
-        means.append(gaussian.mean)
         log_probs.append(gaussian_log_prob(x, gaussian.mean, gaussian.std))
-        stds.append(gaussian.std.flatten()[0])
         on_step()
-    return {
-        "latents": torch.stack(latents, dim=1),
-        "means": torch.stack(means, dim=1),
-        "log_probs": torch.stack(log_probs, dim=1),
-        "stds": torch.stack(stds).float(),
-    }
+    return {"latents": torch.stack(latents, dim=1), "log_probs": torch.stack(log_probs, dim=1)}
 
 
 def _per_sample_noise(generators, shape, device) -> torch.Tensor:
@@ -225,6 +240,23 @@ def _decode_in_batches(adapter, final_latents: torch.Tensor, batches: list[torch
     return torch.cat([adapter.decode(final_latents[batch.to(final_latents.device)]) for batch in batches])
 
 
+def score_transition(adapter: VideoModelAdapter, rollout: Rollout, samples: torch.Tensor, t: int, *,
+                     module: torch.nn.Module | None = None) -> SDEStepOutput:
+    """The Gaussian of step ``t`` of ``samples`` under ``module`` (default: the adapter's transformer) and the
+    log-prob of the recorded transition under it: the one scorer of recorded transitions (rollout recompute, the
+    update's policy, anchor and lagged forwards, the equalizer diagnostic). Same sigmas, eta and code path as the
+    rollout, so on the rollout's own batches and weights it reproduces the recorded log-probs bit for bit.
+
+    Runs under the caller's grad mode; ``samples`` is a CPU index tensor, moved to the latents' device here.
+    """
+    on_device = samples.to(rollout.latents.device)
+    x = rollout.latents[on_device, t]
+    sigma, sigma_next = _step_sigmas(rollout.sigmas, t, len(samples))
+    velocity = adapter.predict_velocity(x, sigma, rollout.sample_embeddings(samples), module=module)
+    return sde_step(rollout.sde_config.sde_variant, velocity, x, sigma, sigma_next, float(rollout.step_etas[t]),
+                    prev_sample=rollout.latents[on_device, t + 1])
+
+
 def recompute_log_probs(
     adapter: VideoModelAdapter,
     rollout: Rollout,
@@ -233,34 +265,11 @@ def recompute_log_probs(
     module: torch.nn.Module | None = None,
 ) -> StepScores:
     """Log-probs and means of the recorded transitions at ``steps`` under ``module`` (default: the adapter's
-    transformer), for all samples in the rollout's own batches, or for ``sample_index`` as one batch.
-
-    Runs under the caller's grad mode: under ``torch.enable_grad`` the log-probs carry the policy gradient.
-    """
+    transformer), for all samples in the rollout's own batches, or for ``sample_index`` as one batch."""
     batches = rollout.batches if sample_index is None else [torch.as_tensor(sample_index, dtype=torch.long)]
-    log_probs, means = [], []
-    for batch in batches:
-        embeddings = rollout.sample_embeddings(batch)
-        on_device = batch.to(rollout.latents.device)
-        batch_log_probs, batch_means = [], []
-        for t in steps:
-            x = rollout.latents[on_device, t]
-            sigma, sigma_next = _step_sigmas(rollout.sigmas, t, len(batch))
-            velocity = adapter.predict_velocity(x, sigma, embeddings, module=module)
-            step = sde_step(
-                rollout.sde_config.sde_variant,
-                velocity,
-                x,
-                sigma,
-                sigma_next,
-                float(rollout.step_etas[t]),
-                prev_sample=rollout.latents[on_device, t + 1],
-            )
-            batch_log_probs.append(step.log_prob)
-            batch_means.append(step.mean)
-        log_probs.append(torch.stack(batch_log_probs, dim=1))
-        means.append(torch.stack(batch_means, dim=1))
-    return StepScores(log_probs=torch.cat(log_probs), means=torch.cat(means))
+    scored = [[score_transition(adapter, rollout, batch, t, module=module) for t in steps] for batch in batches]
+    return StepScores(log_probs=torch.cat([torch.stack([s.log_prob for s in row], dim=1) for row in scored]),
+                      means=torch.cat([torch.stack([s.mean for s in row], dim=1) for row in scored]))
 
 
 def _is_main_rank() -> bool:

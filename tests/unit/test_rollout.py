@@ -45,7 +45,6 @@ def rollout(hunyuan_cfg):
 def test_rollout_records_every_step_of_every_sample(rollout, hunyuan_cfg):
     n, t = 6, SDE.steps
     assert rollout.latents.shape == (n, t + 1, *hunyuan_cfg.latent_shape())
-    assert rollout.means.shape == (n, t, *hunyuan_cfg.latent_shape())
     assert rollout.log_probs.shape == (n, t) and rollout.stds.shape == (t,)
     assert rollout.latents.dtype == rollout.log_probs.dtype == torch.float32
     assert rollout.videos.shape == (n, 5, 32, 32, 3) and rollout.videos.dtype == torch.uint8
@@ -122,7 +121,7 @@ def test_ode_rollout_reproduces_the_wan_pipeline(wan, monkeypatch):
 
 def test_same_seed_gives_identical_rollouts(rollout, hunyuan_cfg):
     again = generate(hunyuan_cfg, PROMPTS, 3, SDE, seed=7, batch_size=4)
-    for field in ("latents", "means", "log_probs", "videos"):
+    for field in ("latents", "log_probs", "videos"):
         assert torch.equal(getattr(again, field), getattr(rollout, field)), field
 
 
@@ -152,7 +151,8 @@ def test_recomputed_log_probs_equal_the_recorded_ones_exactly(rollout, hunyuan_c
     steps = range(SDE.steps)
     scores = recompute_log_probs(hunyuan_cfg, rollout, steps)
     assert torch.equal(scores.log_probs, rollout.log_probs)
-    assert torch.equal(scores.means, rollout.means)
+    # The last step is deterministic: the recorded latents are its mean.
+    assert torch.equal(scores.means[:, -1], rollout.latents[:, -1])
     with torch.enable_grad():  # as in training: the same numbers, now with a gradient
         trained = recompute_log_probs(hunyuan_cfg, rollout, [1], sample_index=rollout.batches[1])
     assert trained.log_probs.requires_grad
@@ -187,7 +187,8 @@ def test_steps_outside_the_window_are_deterministic_and_untrained(hunyuan):
     assert windowed.trained_steps.tolist() == [False, True, True, False, False, False]
     assert torch.all(windowed.stds[outside] == 0) and torch.all(windowed.stds[[1, 2]] > 0)
     assert torch.all(windowed.log_probs[:, outside] == 0)
-    assert torch.equal(windowed.latents[:, [t + 1 for t in outside]], windowed.means[:, outside])
+    means = recompute_log_probs(hunyuan, windowed, outside).means
+    assert torch.equal(windowed.latents[:, [t + 1 for t in outside]], means)
     # Noise on deterministic steps is drawn anyway, so the window's first step sees the same latents as an SDE run.
     full = generate(hunyuan, PROMPTS[:1], 2, config.model_copy(update={"window": None}), seed=3, decode=False)
     assert torch.equal(windowed.latents[:, 0], full.latents[:, 0])
@@ -197,3 +198,24 @@ def test_steps_outside_the_window_are_deterministic_and_untrained(hunyuan):
 def test_window_must_lie_inside_the_schedule(window):
     with pytest.raises(ValueError, match="window"):
         SDEConfig(steps=20, window=window)
+
+
+def test_trained_steps_are_the_configs_rule_on_the_rollouts_own_schedule(rollout):
+    assert torch.equal(rollout.trained_steps, rollout.sde_config.trained_steps_mask(rollout.sigmas.cpu()))
+    assert torch.equal(rollout.sde_config.trained_steps_mask(), rollout.trained_steps)  # config time agrees
+
+
+@pytest.mark.parametrize("steps", [20, 68, 200, 1000])
+def test_long_sage_schedules_validate_and_never_train_a_step_without_noise(steps):
+    config = SDEConfig(variant="sage", eta=0.5, steps=steps, shift=5.0)
+    trained = config.trained_steps_mask()
+    stds = config.schedule_stds()
+    assert torch.isfinite(stds).all() and torch.equal(trained, stds > 0) and not trained[-1]
+    assert trained.sum() >= steps * 0.95
+
+
+@pytest.mark.parametrize("bad,match", [(dict(variant="cps", eta=1.5), "eta"), (dict(eta=float("nan")), "eta"),
+                                       (dict(variant="sage", steps=1000, window=(0, 3)), "injects noise")])
+def test_schedules_that_cannot_train_are_refused_at_config_time(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SDEConfig(**({"shift": 5.0} | bad))

@@ -117,7 +117,7 @@ def test_clamped_flow_first_step_std_exceeds_sage_by_the_formula_ratio():
     flow_std = float(sde.noise_stds("flow", sigmas, ETA, flow_sigma_max=clamp)[0])
     sage_std = float(sde.noise_stds("sage", sigmas, ETA)[0])
     expected_flow = ETA * math.sqrt(1.0 / (1.0 - clamp)) * math.sqrt(1.0 - s1)
-    expected_sage = ETA * math.sqrt(-(1.0 - s1) + math.log((1.0 - s1) / (1.0 - clamp)))
+    expected_sage = ETA * math.sqrt(-(clamp - s1) + math.log((1.0 - s1) / (1.0 - clamp)))
     assert flow_std == pytest.approx(expected_flow, rel=1e-9)
     assert sage_std == pytest.approx(expected_sage, rel=1e-9)
     assert flow_std / sage_std == pytest.approx(expected_flow / expected_sage, rel=1e-9)
@@ -164,7 +164,43 @@ def test_shifted_schedule_matches_diffusers_scheduler():
     torch.testing.assert_close(sde.flow_match_sigmas(20, 5.0).float(), scheduler.sigmas.float(), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("bad", [dict(variant="ddim"), dict(eta=-0.1), dict(sigma=0.5, sigma_next=0.6)])
+@pytest.mark.parametrize("steps", [20, 67, 68, 200, 1000])
+@pytest.mark.parametrize("shift", [1.0, 5.0, 12.0])
+@pytest.mark.parametrize("variant", sde.VARIANTS)
+def test_every_step_std_is_finite_and_nonnegative_up_to_a_thousand_steps(variant, steps, shift):
+    sigmas = sde.flow_match_sigmas(steps, shift)
+    stds = sde.noise_stds(variant, sigmas, 1.0)
+    assert torch.isfinite(stds).all() and (stds >= 0).all()
+    assert stds[-1] == 0 and (stds[steps // 2:-1] > 0).all()
+    scales = sde.gradient_scales(variant, sigmas, 1.0)
+    assert torch.isfinite(scales[stds > 0]).all()
+
+
+def test_sage_clamping_both_ends_changes_only_the_first_step_by_at_most_3e_3_eta_squared():
+    sigmas = sde.flow_match_sigmas(20, 5.0)
+    sigma, sigma_next = sigmas[:-2], sigmas[1:-1]
+    clamped = sde.sage_integrated_variance(sigma, sigma_next, ETA)
+    papers = ETA**2 * (-(sigma - sigma_next) + torch.log((1 - sigma_next) / (1 - sigma.clamp(max=sde.SAGE_SIGMA_CLAMP))))
+    difference = (papers - clamped).abs()
+    assert 0 < difference[0] <= 3e-3 * ETA**2 + 1e-12
+    torch.testing.assert_close(clamped[1:], papers[1:], rtol=1e-9, atol=1e-12)
+
+
+def test_sage_step_entirely_above_the_clamp_injects_no_noise_and_never_goes_negative():
+    variance = sde.sage_integrated_variance(torch.tensor([1.0, 0.999]), torch.tensor([0.999, 0.998]), 1.0)
+    assert variance.tolist() == [0.0, 0.0]
+    # The paper's formula (sigma alone clamped) is negative on both of these steps.
+    assert (-(1.0 - 0.999) + math.log((1 - 0.999) / (1 - sde.SAGE_SIGMA_CLAMP))) < 0
+
+
+def test_a_non_finite_std_is_an_error_not_a_deterministic_step():
+    sigmas = sde.flow_match_sigmas(20, 5.0)
+    with pytest.raises(ValueError, match="step 0 of 20"):
+        sde.noise_stds("flow", sigmas, ETA, flow_sigma_max=1.0)
+
+
+@pytest.mark.parametrize("bad", [dict(variant="ddim"), dict(eta=-0.1), dict(sigma=0.5, sigma_next=0.6),
+                                 dict(variant="cps", eta=1.2), dict(eta=float("nan"))])
 def test_invalid_arguments_are_rejected(bad):
     args = dict(variant="sage", sigma=0.5, sigma_next=0.4, eta=ETA) | bad
     x, v = _inputs()
