@@ -99,3 +99,12 @@ def weights_fingerprint(module: torch.nn.Module) -> str:
             digest.update(name.encode())
             digest.update(param.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return digest.hexdigest()
+
+
+def broadcast_from_main(value):
+    """Rank 0's ``value`` on every rank (any picklable object; our own values only, never data from outside)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

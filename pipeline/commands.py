@@ -33,9 +33,11 @@ def setup_logging() -> None:
 def run_command(config_path: str, overrides: list[str], *, resume: str | None) -> int:
     config = load_run_config(config_path, overrides)
     setup_logging()
-    from pipeline.runner import run
+    from pipeline.recipe import SageGRPORecipe
 
-    summary = run(config, resume=resume)
+    recipe = SageGRPORecipe(config)
+    recipe.setup(resume=resume)
+    summary = recipe.train()
     if distributed.is_main():
         print(_summary_text(config, summary), flush=True)
     return summary.exit_code
@@ -48,6 +50,8 @@ def _summary_text(config: RunConfig, summary) -> str:
         f"  checkpoints: {summary.checkpoint or 'none written'}",
         f"  reward plot: {(summary.output_dir / 'plots' / 'reward_curves.png').resolve()}",
     ]
+    if summary.export_dir:
+        lines.append(f"  export:      {summary.export_dir.resolve()} (diffusers format)")
     if summary.history:
         first, last = summary.history[0], summary.history[-1]
         lines.append(f"  reward:      {first['reward/mean']:.4f} (first iteration) -> {last['reward/mean']:.4f} (last)")
@@ -61,16 +65,8 @@ def _summary_text(config: RunConfig, summary) -> str:
 
 
 def eval_command(config_path: str, overrides: list[str], checkpoint: str) -> int:
-    config = load_run_config(config_path, overrides)
-    setup_logging()
-    from pipeline import runner
-    from stages.ingest import ingest
-
-    policy, embeddings = _restored_policy(config, checkpoint)
-    eval_prompts = [p.text for p in ingest(config.data).eval][: config.eval.num_prompts]
-    state = runner.RunState()
-    metrics = runner.run_evaluation(config, policy, embeddings, runner.build_scorer(config, evaluation=True),
-                                    eval_prompts, state, _NoTracker())
+    recipe = _recipe_with_policy(config_path, overrides, checkpoint)
+    metrics = recipe.evaluate()
     if distributed.is_main():
         print(json.dumps(metrics, indent=2, sort_keys=True))
     return 0
@@ -78,36 +74,17 @@ def eval_command(config_path: str, overrides: list[str], checkpoint: str) -> int
 
 def sample_command(config_path: str, overrides: list[str], prompts: list[str], checkpoint: str | None, out: str,
                    seed: int) -> int:
-    config = load_run_config(config_path, overrides)
-    setup_logging()
-    from stages import evaluate as evaluation
-    from stages.rollout import SDEConfig, generate
-
-    policy, embeddings = _restored_policy(config, checkpoint)
-    deterministic = SDEConfig(variant="ode", steps=config.sde.steps, shift=config.sde.shift)
-    rollout = generate(policy.adapter, prompts, 1, deterministic, seed, batch_size=config.update.micro_batch_size,
-                       embeddings=embeddings(prompts))
-    if distributed.is_main():
-        Path(out).mkdir(parents=True, exist_ok=True)
-        for i, prompt in enumerate(prompts):
-            path = evaluation.write_video(rollout.videos[i], policy.adapter.fps, Path(out) / f"sample_{i:02d}")
-            print(f"{path}\t{prompt}")
+    recipe = _recipe_with_policy(config_path, overrides, checkpoint)
+    for path, prompt in zip(recipe.sample(prompts, seed, Path(out)), prompts):
+        print(f"{path}\t{prompt}")
     return 0
 
 
-def _restored_policy(config: RunConfig, checkpoint: str | None):
-    from pipeline import runner
-    from stages.ingest import EmbeddingCache
+def _recipe_with_policy(config_path: str, overrides: list[str], checkpoint: str | None):
+    config = load_run_config(config_path, overrides)
+    setup_logging()
+    from pipeline.recipe import SageGRPORecipe
 
-    distributed.init(config.deepspeed.collective_timeout_minutes)
-    policy = runner.build_policy(config)
-    if checkpoint:
-        runner.load_checkpoint(config.checkpoint.build(config.output_dir), checkpoint, config, policy, require=True,
-                               same_run=False)
-    embeddings = runner.CachedEmbeddings(EmbeddingCache(config.output_dir / "embedding-cache"), policy.adapter)
-    return policy, embeddings
-
-
-class _NoTracker:
-    def log_artifact(self, *args, **kwargs) -> None:
-        pass
+    recipe = SageGRPORecipe(config)
+    recipe.setup_policy(checkpoint)
+    return recipe

@@ -34,6 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from core.errors import UserError
+from core.models.base import PromptEmbeddings
 
 log = logging.getLogger(__name__)
 
@@ -411,3 +412,24 @@ class PromptSampler:
             )
         self._start_epoch(state["epoch"], carried_over=state["carried_over"])
         self.position = state["position"]
+
+
+class CachedEmbeddings:
+    """A model adapter's prompt embeddings through the on-disk cache, keyed by (encoder identity, prompt hash):
+    ``embeddings(prompts)`` is what the rollout and evaluation stages take."""
+
+    def __init__(self, cache: EmbeddingCache, adapter):
+        self.cache, self.adapter = cache, adapter
+
+    def __call__(self, prompts: list[str]) -> PromptEmbeddings:
+        rows = self.cache.get_or_encode(self.adapter.encoder_identity, prompts, self._encode_flat)
+        device = self.adapter.device
+        positive = {k[4:]: v.to(device) for k, v in rows.items() if k.startswith("pos.")}
+        negative = {k[4:]: v.to(device) for k, v in rows.items() if k.startswith("neg.")} or None
+        return PromptEmbeddings(positive, negative)
+
+    def _encode_flat(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        embeddings = self.adapter.encode_prompts(prompts)
+        flat = {f"pos.{k}": v for k, v in embeddings.tensors.items()}
+        flat |= {f"neg.{k}": v for k, v in (embeddings.negative or {}).items()}
+        return flat

@@ -1,0 +1,366 @@
+"""The SAGE-GRPO recipe, read top to bottom like torchtune's recipes:
+
+    setup:      ingest -> policy (model, LoRA, DeepSpeed engine, updater) -> scorers -> sampler -> checkpointer
+                (resume) -> tracker
+    train:      for each iteration: train_step (rollout -> score -> advantages -> update, anchor refresh inside)
+                -> (every k) evaluate -> checkpoint (when due, at the end, or on a stop)
+    cleanup:    export and publish a completed run, fingerprint, plots, close the MLflow run
+
+Works the same in one process, under the ``deepspeed`` launcher and under ``torchrun``: every rank runs it; rank 0
+logs. Ranks agree on stop decisions (preemption, time budget) through a collective, so no rank leaves a collective
+the others are still in. ``eval`` and ``sample`` use the same class through :meth:`setup_policy`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core import distributed
+from core.errors import RETRYABLE_EXIT_CODE, UserError
+from core.grpo import group_advantages
+from core.lora import add_lora
+from core.models import build_adapter
+from core.rewards.base import VideoBatch
+from core.tracking import Tracker, masked_config
+from pipeline.checkpointer import Checkpointer, RNGState
+from pipeline.config import RunConfig
+from stages import evaluate as evaluation
+from stages.ingest import CachedEmbeddings, EmbeddingCache, PromptSampler, ingest
+from stages.rollout import SDEConfig, generate
+from stages.score import Scorer, reward_metrics
+from stages.update import Updater, accumulation_steps, build_engine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunSummary:
+    status: str                     # "completed", "preempted" or "time_budget"
+    iterations: int
+    output_dir: Path
+    checkpoint: str | None
+    tracking_uri: str | None
+    run_id: str | None
+    history: list[dict[str, float]] = field(default_factory=list)
+    export_dir: Path | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return RETRYABLE_EXIT_CODE if self.status == "preempted" else 0
+
+
+@dataclass
+class Policy:
+    """Everything that trains or generates: the model adapter, its DeepSpeed engine and the update state."""
+
+    adapter: Any
+    engine: Any
+    updater: Updater
+
+
+@dataclass
+class Progress:
+    """Where the run stands; saved with every checkpoint so a resumed run continues its counters and MLflow run."""
+
+    iteration: int = 0
+    mlflow_run_id: str | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
+    last_eval: dict[str, float] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"iteration": self.iteration, "mlflow_run_id": self.mlflow_run_id or "", "history": self.history,
+                "last_eval": self.last_eval}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.iteration, self.history, self.last_eval = state["iteration"], state["history"], state["last_eval"]
+        self.mlflow_run_id = state["mlflow_run_id"] or None
+
+    def evaluated_now(self) -> dict[str, float]:
+        """The eval metrics of this iteration, if it was evaluated (what the checkpoint manifest records)."""
+        return self.last_eval if self.last_eval.get("iteration") == self.iteration else {}
+
+
+class SageGRPORecipe:
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.progress = Progress()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Setup
+    # ------------------------------------------------------------------------------------------------------------
+
+    def setup(self, resume: str | None = None) -> None:
+        config = self.config
+        distributed.init(config.deepspeed.collective_timeout_minutes)
+        config.output_dir.mkdir(parents=True, exist_ok=True)
+        if distributed.is_main():
+            (config.output_dir / "config.json").write_text(json.dumps(masked_config(config), indent=2))
+        self._setup_prompts()
+        if len(self.train_prompts) < config.rollout.prompts_per_rank * distributed.world_size():
+            raise UserError(f"{len(self.train_prompts)} training prompts cannot fill rollout.prompts_per_rank="
+                            f"{config.rollout.prompts_per_rank} on {distributed.world_size()} rank(s)")
+        self._setup_policy()
+        self.scorer = self._build_scorer()
+        self.eval_scorer = self._build_scorer(evaluation=True) if self.eval_prompts and config.eval.every else None
+        self.sampler = PromptSampler(len(self.train_prompts), config.rollout.prompts_per_rank, distributed.rank(),
+                                     distributed.world_size(), config.seed)
+        self.checkpointer = Checkpointer(config, self.policy.engine, {
+            "updater": self.policy.updater, "sampler": self.sampler, "progress": self.progress, "rng": RNGState()})
+        if resume:
+            self.checkpointer.load(resume)
+        self.tracker = Tracker(config.tracking, config.output_dir)
+        if distributed.is_main():
+            self.progress.mlflow_run_id = self.tracker.start(config, run_id=self.progress.mlflow_run_id)
+        self.audit = Audit(config.output_dir / "audit" / f"rank-{distributed.rank()}.jsonl")
+
+    def setup_policy(self, checkpoint: str | None = None) -> None:
+        """Only what evaluating or sampling a (saved) policy needs; nothing is logged to MLflow."""
+        distributed.init(self.config.deepspeed.collective_timeout_minutes)
+        self._setup_prompts()
+        self._setup_policy()
+        self.eval_scorer = self._build_scorer(evaluation=True)
+        self.tracker = Tracker(self.config.tracking.model_copy(update={"enabled": False}), self.config.output_dir)
+        if checkpoint:
+            Checkpointer(self.config, self.policy.engine, {"updater": self.policy.updater}).load(
+                checkpoint, same_run=False, require=True)
+
+    def _setup_prompts(self) -> None:
+        prompts = ingest(self.config.data)
+        logger.info("prompts: %s", prompts.report.summary())
+        self.train_prompts = [p.text for p in prompts.train]
+        self.eval_prompts = [p.text for p in prompts.eval][: self.config.eval.num_prompts]
+
+    def _setup_policy(self) -> None:
+        self.policy = build_policy(self.config)
+        self.embeddings = CachedEmbeddings(EmbeddingCache(self.config.output_dir / "embedding-cache"),
+                                           self.policy.adapter)
+
+    def _build_scorer(self, *, evaluation: bool = False) -> Scorer:
+        config = self.config
+        specs = config.rewards + (config.eval.metrics if evaluation else [])
+        scorer = Scorer(specs, retries=config.scoring.retries, retry_delay_s=config.scoring.retry_delay_s)
+        scorer.setup(distributed.device())
+        return scorer
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Training
+    # ------------------------------------------------------------------------------------------------------------
+
+    def train(self) -> RunSummary:
+        config, progress = self.config, self.progress
+        status, started = "completed", time.monotonic()
+        with preemption_signals() as preempted:
+            while progress.iteration < config.run.max_iterations:
+                metrics = self.train_step()
+                if self.eval_scorer and progress.iteration % config.eval.every == 0:
+                    metrics |= self.evaluate()
+                self._record(metrics)
+
+                out_of_time = config.run.time_budget_minutes is not None and \
+                    time.monotonic() - started > 60 * config.run.time_budget_minutes
+                stop = distributed.any_rank(preempted() or out_of_time)
+                self.checkpointer.save(progress.iteration, metrics=progress.evaluated_now(),
+                                       force=stop or progress.iteration == config.run.max_iterations)
+                if stop:
+                    status = "preempted" if preempted() else "time_budget"
+                    break
+        return self.cleanup(status)
+
+    def train_step(self) -> dict[str, float]:
+        """One iteration: rollout -> score -> advantages -> update; returns its metrics (averaged over ranks)."""
+        config, policy = self.config, self.policy
+        timings, clock = {}, time.perf_counter()
+        prompt_ids = next(self.sampler)
+        self.audit.write({"iteration": self.progress.iteration + 1, "prompt_ids": prompt_ids})
+        batch_prompts = [self.train_prompts[i] for i in prompt_ids]
+        rollout = generate(policy.adapter, batch_prompts, config.rollout.group_size, config.sde,
+                           iteration_seed(config.seed, self.progress.iteration), prompt_ids=prompt_ids,
+                           batch_size=config.update.micro_batch_size, embeddings=self.embeddings(batch_prompts))
+        timings["time/rollout"], clock = time.perf_counter() - clock, time.perf_counter()
+
+        scored = self.scorer.score(VideoBatch.from_tensor(rollout.videos, policy.adapter.fps), rollout.sample_prompts)
+        timings["time/score"], clock = time.perf_counter() - clock, time.perf_counter()
+
+        advantages = group_advantages(scored.total, rollout.group_ids, global_std=config.update.global_std,
+                                      clip=config.update.advantage_clip)
+        update_metrics = policy.updater.update(rollout, advantages)
+        timings["time/update"] = time.perf_counter() - clock
+        self.progress.iteration += 1
+
+        metrics = reward_metrics(scored) | {f"update/{k}": v for k, v in update_metrics.items()}
+        metrics |= distributed.all_reduce_mean({
+            "advantage/abs_mean": float(advantages.values[advantages.valid].abs().mean()) if advantages.valid.any()
+            else 0.0,
+            "advantage/valid_fraction": float(advantages.valid.float().mean()),
+            **timings,
+        })
+        metrics["samples_per_second"] = rollout.num_samples * distributed.world_size() / sum(timings.values())
+        return metrics
+
+    def _record(self, metrics: dict[str, float]) -> None:
+        metrics["iteration"] = self.progress.iteration
+        self.progress.history.append(metrics)
+        self.tracker.log_metrics(metrics, step=self.progress.iteration)
+        # Late: a run opened after a tracking outage has its id only now, and the next checkpoint must carry it.
+        self.progress.mlflow_run_id = self.tracker.run_id or self.progress.mlflow_run_id
+        if distributed.is_main():
+            shown = {k: metrics[k] for k in ("reward/mean", "update/kl", "update/lambda_kl", "update/grad_norm",
+                                             "eval/reward") if k in metrics}
+            logger.info("iteration %d: %s", metrics["iteration"], "  ".join(f"{k}={v:.4g}" for k, v in shown.items()))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Evaluation and sampling
+    # ------------------------------------------------------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        """The policy on the held-out prompts with fixed seeds and deterministic sampling, scored by every reward and
+        extra metric; videos written under ``eval/iteration-N`` and logged."""
+        iteration = self.progress.iteration
+        out_dir = self.config.output_dir / "eval" / f"iteration-{iteration:05d}"
+        result = evaluation.evaluate(self.policy.adapter, self.eval_prompts, self.config.sde, self.eval_scorer,
+                                     seed=self.config.eval.seed, out_dir=out_dir,
+                                     batch_size=self.config.update.micro_batch_size,
+                                     write_videos=self.config.eval.write_videos, write=distributed.is_main(),
+                                     embeddings=self.embeddings(self.eval_prompts))
+        for video in result.videos:
+            self.tracker.log_artifact(video, f"eval/iteration-{iteration:05d}")
+        metrics = distributed.broadcast_from_main(result.metrics)
+        self.progress.last_eval = metrics | {"iteration": iteration}
+        return metrics
+
+    def sample(self, prompts: list[str], seed: int, out_dir: Path) -> list[Path]:
+        """One deterministic (ODE) video per prompt, written by rank 0."""
+        deterministic = SDEConfig(variant="ode", steps=self.config.sde.steps, shift=self.config.sde.shift)
+        rollout = generate(self.policy.adapter, prompts, 1, deterministic, seed,
+                           batch_size=self.config.update.micro_batch_size, embeddings=self.embeddings(prompts))
+        if not distributed.is_main():
+            return []
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fps = self.policy.adapter.fps
+        return [evaluation.write_video(rollout.videos[i], fps, out_dir / f"sample_{i:02d}") for i in range(len(prompts))]
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The end of a run
+    # ------------------------------------------------------------------------------------------------------------
+
+    def cleanup(self, status: str) -> RunSummary:
+        fingerprint = distributed.weights_fingerprint(self.policy.engine.module)
+        self.audit.write({"iteration": self.progress.iteration, "weights_sha256": fingerprint, "status": status})
+        export_dir = self.publish() if status == "completed" else None
+        if distributed.is_main():
+            self.tracker.set_tag("weights_sha256", fingerprint)
+            curve = evaluation.plot_reward_curves(self.progress.history,
+                                                  self.config.output_dir / "plots" / "reward_curves.png")
+            self.tracker.log_artifact(curve, "plots")
+            self.tracker.log_artifact(self.config.output_dir / "config.json")
+            self.tracker.finish("KILLED" if status == "preempted" else "FINISHED")
+        return RunSummary(status, self.progress.iteration, self.config.output_dir, self.checkpointer.uri,
+                          self.tracker.tracking_uri if distributed.is_main() else None, self.progress.mlflow_run_id,
+                          self.progress.history, export_dir)
+
+    def publish(self) -> Path:
+        """Export the policy in the diffusers format (always); with ``registry.model_name``, register the export as
+        the ``challenger`` with its eval metrics and, with ``registry.promote``, run the promotion gate. Idempotent:
+        a run restarted after training finished comes straight here and registers the same version once."""
+        from core import export, registry
+
+        export_dir = self.config.output_dir / "exports" / f"step-{self.progress.iteration}"
+        if self.config.lora.enabled:
+            export.export_lora(self.policy.engine.module, export_dir)
+        else:
+            export.export_full(self.policy.engine, export_dir)
+        settings = self.config.registry
+        if not settings.model_name:
+            return export_dir
+        if self.progress.last_eval.get("iteration") != self.progress.iteration:
+            if self.eval_scorer is None:
+                self.eval_scorer = self._build_scorer(evaluation=True)
+            self.tracker.log_metrics(self.evaluate(), step=self.progress.iteration)
+        if not distributed.is_main():
+            return export_dir
+        client, run_id = self.tracker.client(), self.progress.mlflow_run_id
+        metrics = {k: v for k, v in self.progress.last_eval.items() if k != "iteration"}
+        version = registry.register_export(client, settings.model_name, export_dir, run_id, metrics,
+                                           registry.export_key(run_id, self.progress.iteration),
+                                           base_model=settings.base_model or self.config.model.pretrained or
+                                           self.config.model.name)
+        logger.info("registered %s version %s as challenger", settings.model_name, version.version)
+        if settings.promote:
+            decision = registry.promote(client, settings.model_name, version=version.version,
+                                        primary_metric=settings.primary_metric, min_improvement=settings.margin,
+                                        guarded=settings.guards)
+            logger.info("%s", decision.summary())
+        return export_dir
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building the policy
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def build_policy(config: RunConfig) -> Policy:
+    torch.manual_seed(config.seed)
+    kwargs = dict(config.model.kwargs)
+    if config.model.pretrained:
+        kwargs["path_or_hub_id"] = config.model.pretrained
+        kwargs["device"] = str(distributed.device())
+    adapter = build_adapter(config.model.name, guidance_scale=config.model.guidance_scale,
+                            dtype=getattr(torch, config.model.dtype), **kwargs)
+    if config.lora.enabled:
+        add_lora(adapter.transformer, config.lora)
+    else:
+        adapter.transformer.requires_grad_(True)
+    trained = int(config.sde.trained_steps_mask().sum())
+    samples = config.rollout.prompts_per_rank * config.rollout.group_size
+    engine = build_engine(adapter.transformer, config.update,
+                          accumulation_steps=accumulation_steps(samples, config.update.micro_batch_size, trained),
+                          deepspeed_config_name=config.deepspeed.config, bf16=_use_bf16(config))
+    return Policy(adapter, engine, Updater(engine, adapter, config.update, config.trust_region))
+
+
+def _use_bf16(config: RunConfig) -> bool:
+    if config.deepspeed.precision == "auto":
+        return torch.cuda.is_available()
+    return config.deepspeed.precision == "bf16"
+
+
+def iteration_seed(seed: int, iteration: int) -> int:
+    """A distinct sampling seed per iteration, stable across runs and resumes."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/iteration/{iteration}".encode()).digest()[:8], "little") >> 1
+
+
+class Audit:
+    """Each rank's record of what it trained on (prompt ids per iteration) and the weights it ended with: the
+    provenance a team needs to answer "which data made this model", one JSON line per event."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as file:
+            file.write(json.dumps(record) + "\n")
+
+
+@contextmanager
+def preemption_signals():
+    """SIGTERM (Kubernetes, torchrun) and SIGUSR1 (Slurm's pre-timeout signal) ask the run to finish the current
+    iteration, checkpoint and exit with the retryable code; yields a function telling whether one arrived."""
+    received = []
+    handled = (signal.SIGTERM, signal.SIGUSR1)
+    previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum)) for sig in handled}
+    try:
+        yield lambda: bool(received)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
