@@ -18,6 +18,7 @@ from core.storage import CheckpointConfig
 from core.tracking import TrackingConfig
 from stages.ingest import DataConfig
 from stages.rollout import SDEConfig
+from stages.score import ScoringConfig
 from stages.update import TrustRegionConfig, UpdateConfig
 
 
@@ -62,11 +63,6 @@ class RegistryConfig(_Section):
     primary_metric: str = "eval/reward"
     margin: float = Field(0.0, ge=0)
     guards: dict[str, float] = Field(default_factory=dict)   # metric -> largest allowed drop
-
-
-class ScoringConfig(_Section):
-    retries: int = Field(2, ge=0)             # retries of a reward call that raised, before its samples score None
-    retry_delay_s: float = Field(1.0, ge=0)
 
 
 class RunSection(_Section):

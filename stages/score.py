@@ -1,49 +1,94 @@
 """Scoring stage: rewards for a batch of rollout videos, every dimension reported, one weighted total per video.
 
 Recipe, per reward in the config:
-1. call it on the videos in sub-batches of its ``batch_size``;
-2. a sub-batch whose call raises is retried ``retries`` times, then its samples are scored None and the failure is
-   counted (a flaky reward server must not stop a multi-day run, and must not score 0: None drops the sample
-   from its GRPO group);
-3. an output of the wrong type or length is a bug in the reward: a one-line UserError naming it, at once.
-Then total = sum over rewards and their weighted dimensions of weight x score; a sample missing any weighted score,
-or whose reward failed, has total None. ``score_async`` runs the same in a worker thread, so scoring one rollout
-batch can overlap generating the next.
+1. call it on the videos in sub-batches of its ``batch_size``, with the prompts and the prompt metadata columns it
+   takes as keyword arguments, in a worker thread bounded by ``timeout_s`` (a reward that never returns is
+   abandoned, not waited on forever);
+2. a sub-batch whose call raises or times out is retried ``retries`` times, then its samples are scored None and the
+   failure is counted (a flaky reward server must not stop a multi-day run, and must not score 0: None drops the
+   sample from its GRPO group); a reward that exits (``SystemExit``, any ``BaseException`` but Ctrl-C) fails its
+   samples at once instead of ending the run;
+3. an output of the wrong type or length is a bug in the reward: a one-line UserError naming it, at once;
+4. a reward that failed for more than ``max_failed_fraction`` of the batch stops the run (``RewardFailure``):
+   a run that trains on a handful of surviving samples, or on none, must not end "completed".
+Then total = sum over rewards and their weighted dimensions of weight x score (``RewardSpec.effective_weights``);
+a sample missing any weighted score, or whose reward failed, has total None. ``score_async`` runs the same in a
+worker thread, so scoring one rollout batch can overlap generating the next.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from core.errors import UserError
 from core.rewards import RewardSpec, RewardUnavailable, Scores, VideoBatch, build_reward, check_scores
-from core.rewards.base import merge_dimensions, weighted_total
+from core.rewards.base import Columns, MetadataParameters, merge_dimensions, metadata_columns, slice_columns, \
+    weighted_total
 
 logger = logging.getLogger(__name__)
+
+
+class ScoringConfig(BaseModel):
+    """How reward calls are bounded, retried and given up on (the ``scoring`` section)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    retries: int = Field(2, ge=0)             # retries of a reward call that raised or timed out
+    retry_delay_s: float = Field(1.0, ge=0, allow_inf_nan=False)
+    timeout_s: float | None = Field(600.0, gt=0, allow_inf_nan=False)   # per call; None: wait forever
+    max_failed_fraction: float = Field(0.5, ge=0, le=1)   # of a batch's samples, per reward, before the run stops
+
+
+class RewardFailure(UserError):
+    """A reward failed for more samples of one batch than ``scoring.max_failed_fraction`` allows."""
+
+
+class RewardTimeout(TimeoutError):
+    """A reward call did not return within ``scoring.timeout_s``."""
 
 
 @dataclass
 class ScoredBatch:
     """Scores for one batch: ``total`` feeds ``group_advantages``; ``dimensions`` are logged one by one.
 
-    ``failed`` counts, per reward, the samples scored None because the reward kept failing.
+    ``failed`` counts, per reward, the samples scored None because the reward kept failing; ``weights`` are the
+    weights the total used, per dimension (unweighted dimensions are absent).
     """
 
     total: list[float | None]
     dimensions: Scores
     failed: dict[str, int] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Attempt:
+    """One reward's outcome on one sub-batch: its checked scores, or the error that made it fail."""
+
+    scores: Scores | None
+    error: str = ""
 
 
 class Scorer:
-    """Runs the configured rewards; ``failures`` counts failed samples per reward over the scorer's life."""
+    """Runs the configured rewards; ``failures`` counts failed samples per reward over the scorer's life.
 
-    def __init__(self, specs: list[RewardSpec], *, retries: int = 2, retry_delay_s: float = 1.0):
+    ``scoring`` holds ``ScoringConfig``'s fields (``Scorer(specs, **config.scoring.model_dump())``).
+    """
+
+    def __init__(self, specs: list[RewardSpec], **scoring: Any):
+        self.config = ScoringConfig(**scoring)
         self.rewards = [(spec, build_reward(spec)) for spec in specs]
-        self.retries, self.retry_delay_s = retries, retry_delay_s
+        self._parameters = {spec.name: MetadataParameters.of(reward) for spec, reward in self.rewards}
         self.failures: Counter[str] = Counter()
         # Dimensions each reward reported before: a failed call still reports them, as None.
         self._known_dimensions: dict[str, set[str]] = {spec.name: set() for spec in specs}
@@ -54,32 +99,42 @@ class Scorer:
             if hasattr(reward, "setup"):
                 reward.setup(device)
 
-    def score(self, videos: VideoBatch, prompts: list[str]) -> ScoredBatch:
+    def check_metadata(self, metadata: Sequence[Mapping] | None) -> None:
+        """A one-line UserError when a reward requires a prompt column none of ``metadata``'s rows has: call it
+        with the prompt set's metadata right after ingest, before any model loads."""
+        columns = metadata_columns(metadata, len(metadata or []))
+        for spec, _ in self.rewards:
+            self._parameters[spec.name].select(columns, spec.name)
+
+    def score(self, videos: VideoBatch, prompts: list[str], metadata: Sequence[Mapping] | None = None) -> ScoredBatch:
+        """``metadata``: one dict per video (its prompt's other columns), passed to the rewards that take them."""
         if len(videos) != len(prompts):
             raise ValueError(f"{len(videos)} videos for {len(prompts)} prompts")
+        columns = metadata_columns(metadata, len(videos))
         dimensions: Scores = {}
         owners: dict[str, str] = {}
         weights: dict[str, float] = {}
         failed_samples = [False] * len(videos)
         failed_counts: dict[str, int] = {}
         for spec, reward in self.rewards:
-            declared = self._declared_weights(spec, reward)
-            scores, failed = self._score_reward(spec, reward, videos, prompts, declared)
+            scores, failed, reward_weights = self._score_reward(spec, reward, videos, prompts, columns)
             merge_dimensions(dimensions, scores, spec.name, owners)
-            weights.update(declared if declared is not None else dict.fromkeys(scores, 1.0))
+            weights.update(reward_weights)
             failed_samples = [a or b for a, b in zip(failed_samples, failed)]
             if any(failed):
                 failed_counts[spec.name] = sum(failed)
                 self.failures[spec.name] += sum(failed)
         total = weighted_total(dimensions, weights, len(videos))
         total = [None if failed else value for value, failed in zip(total, failed_samples)]
-        return ScoredBatch(total=total, dimensions=dimensions, failed=failed_counts)
+        return ScoredBatch(total=total, dimensions=dimensions, failed=failed_counts,
+                           weights={name: weight for name, weight in weights.items() if weight != 0})
 
-    def score_async(self, videos: VideoBatch, prompts: list[str]) -> Future:
+    def score_async(self, videos: VideoBatch, prompts: list[str],
+                    metadata: Sequence[Mapping] | None = None) -> Future:
         """``score`` in a single background thread (calls run one after another); returns a Future[ScoredBatch]."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scorer")
-        return self._executor.submit(self.score, videos, prompts)
+        return self._executor.submit(self.score, videos, prompts, metadata)
 
     def close(self) -> None:
         if self._executor is not None:
@@ -87,54 +142,102 @@ class Scorer:
             self._executor = None
 
     def _score_reward(self, spec: RewardSpec, reward, videos: VideoBatch, prompts: list[str],
-                      declared: dict[str, float] | None) -> tuple[Scores, list[bool]]:
+                      columns: Columns) -> tuple[Scores, list[bool], dict[str, float]]:
         """One reward over the batch in sub-batches; failed sub-batches are None in every known dimension."""
+        columns = self._parameters[spec.name].select(columns, spec.name)
         size = spec.batch_size or len(videos)
-        chunks = [(start, self._call_with_retries(spec.name, reward, videos[start:start + size],
-                                                  prompts[start:start + size]))
-                  for start in range(0, len(videos), size)]
+        attempts = [(start, self._call_with_retries(spec.name, reward, videos[start:start + size],
+                                                    prompts[start:start + size],
+                                                    slice_columns(columns, start, start + size)))
+                    for start in range(0, len(videos), size)]
         known = self._known_dimensions[spec.name]
-        for _, chunk in chunks:
-            if chunk is not None:
-                self._check_weighted_dimensions(spec.name, declared or {}, chunk)
-                known.update(chunk)
-        known.update(declared or {})
+        for _, attempt in attempts:
+            known.update(attempt.scores or {})
+        weights = spec.effective_weights(reward, known)
+        for _, attempt in attempts:
+            if attempt.scores is not None:
+                self._check_weighted_dimensions(spec.name, weights, attempt.scores)
+        known.update(weights)
         scores: Scores = {dimension: [None] * len(videos) for dimension in known}
         failed = [False] * len(videos)
-        for start, chunk in chunks:
+        for start, attempt in attempts:
             stop = min(start + size, len(videos))
-            if chunk is None:
+            if attempt.scores is None:
                 failed[start:stop] = [True] * (stop - start)
                 continue
-            for dimension, values in chunk.items():
+            for dimension, values in attempt.scores.items():
                 scores[dimension][start:stop] = values
-        return scores, failed
+        self._check_failed_fraction(spec.name, failed, [a.error for _, a in attempts if a.error])
+        return scores, failed, weights
 
-    def _call_with_retries(self, name: str, reward, videos: VideoBatch, prompts: list[str]) -> Scores | None:
+    def _check_failed_fraction(self, name: str, failed: list[bool], errors: list[str]) -> None:
+        fraction = sum(failed) / len(failed) if failed else 0.0
+        if fraction > self.config.max_failed_fraction:
+            raise RewardFailure(f"reward {name!r} failed for {sum(failed)} of {len(failed)} samples, more than "
+                                f"scoring.max_failed_fraction={self.config.max_failed_fraction:g}; last error: "
+                                f"{errors[-1]}")
+
+    def _call_with_retries(self, name: str, reward, videos: VideoBatch, prompts: list[str],
+                           columns: Columns) -> _Attempt:
         attempt = 0
         while True:
             try:
-                return check_scores(reward(videos, prompts), len(videos), name)
+                return _Attempt(check_scores(self._call_bounded(name, reward, videos, prompts, columns),
+                                             len(videos), name))
             except UserError:
                 raise
             except RewardUnavailable as error:  # it already retried on its own: do not multiply the retries
                 logger.warning("reward %r unavailable, scoring %d samples None: %s", name, len(videos), error)
-                return None
+                return _Attempt(None, _describe(error))
             except Exception as error:
                 attempt += 1
-                if attempt > self.retries:
+                if attempt > self.config.retries:
                     logger.warning("reward %r failed %d times, scoring %d samples None: %s",
-                                   name, attempt, len(videos), error)
-                    return None
+                                   name, attempt, len(videos), _describe(error))
+                    return _Attempt(None, _describe(error))
                 logger.warning("reward %r failed (attempt %d of %d), retrying: %s",
-                               name, attempt, self.retries + 1, error)
-                time.sleep(self.retry_delay_s)
+                               name, attempt, self.config.retries + 1, _describe(error))
+                time.sleep(self.config.retry_delay_s)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as error:  # sys.exit in a reward: its samples fail, the run goes on
+                logger.warning("reward %r raised %s, scoring %d samples None (a reward must not exit the run)",
+                               name, _describe(error), len(videos))
+                return _Attempt(None, _describe(error))
 
-    @staticmethod
-    def _declared_weights(spec: RewardSpec, reward) -> dict[str, float] | None:
-        """The spec's weights, else the reward's ``default_weights``; None means 1 on every reported dimension."""
-        weights = spec.explicit_weights()
-        return weights if weights is not None else getattr(reward, "default_weights", None)
+    def _call_bounded(self, name: str, reward, videos: VideoBatch, prompts: list[str], columns: Columns):
+        """The reward's output, from a daemon worker thread waited on for at most ``timeout_s``.
+
+        Python cannot kill a thread: a call that times out is abandoned (it may finish later, its result unread),
+        and a daemon thread never blocks the process from exiting. The worker inherits the caller's CUDA device
+        and grad mode, which are per thread in PyTorch, so the call behaves as if made inline.
+        """
+        if self.config.timeout_s is None:
+            return reward(videos, prompts, **columns)
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+        grad_enabled = torch.is_grad_enabled()
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+        def work() -> None:
+            try:
+                if device is not None:
+                    torch.cuda.set_device(device)
+                with torch.set_grad_enabled(grad_enabled):
+                    outcome["value"] = reward(videos, prompts, **columns)
+            except BaseException as error:  # handed to the caller, which decides what it means
+                outcome["error"] = error
+            finally:
+                done.set()
+
+        threading.Thread(target=work, name=f"reward {name}", daemon=True).start()
+        if not done.wait(self.config.timeout_s):
+            logger.warning("reward %r did not return within scoring.timeout_s=%g s; abandoning its call (its "
+                           "thread keeps running in the background)", name, self.config.timeout_s)
+            raise RewardTimeout(f"no result within {self.config.timeout_s:g} s")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
 
     @staticmethod
     def _check_weighted_dimensions(name: str, weights: dict[str, float], scores: Scores) -> None:
@@ -142,3 +245,8 @@ class Scorer:
         if unknown:
             raise UserError(f"reward {name!r} has no dimension(s) {', '.join(unknown)} to weight "
                             f"(it reports {', '.join(sorted(scores))})")
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

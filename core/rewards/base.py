@@ -4,11 +4,15 @@ A reward is any object with ``__call__(videos: VideoBatch, prompts: list[str]) -
 one list per named dimension (``{"VQ": [...], "MQ": [...]}``), one entry per video. ``None`` or NaN means "no score"
 for that sample; it is dropped from its GRPO group, never counted as 0. A reward may also define ``setup(device)``
 (called once before scoring, to move weights to the accelerator) and ``default_weights`` (used when its config
-gives none). This is TRL's reward-function contract, extended to several named dimensions per reward.
+gives none). Prompt metadata (the prompt file's other columns) arrives as keyword arguments, one list per column
+aligned with the videos (None where a prompt lacks the column): a reward names the columns it wants
+(``def __call__(self, videos, prompts, style)``; a parameter without a default is a required column) or takes them
+all with ``**columns``. This is TRL's reward-function contract, extended to several named dimensions per reward.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -61,6 +65,58 @@ class Reward(Protocol):
 
 class RewardUnavailable(RuntimeError):
     """Raised by a reward that has already retried on its own (the remote reward): score its samples None, now."""
+
+
+# Per-sample columns keyed by column name, each list aligned with the videos.
+Columns = dict[str, list]
+
+# The first two arguments of every reward; a metadata column of the same name cannot be passed as well.
+POSITIONAL = ("videos", "prompts")
+
+
+def metadata_columns(metadata: Sequence[Mapping] | None, batch_size: int) -> Columns:
+    """Per-sample metadata dicts as one list per column (TRL's layout), None where a sample lacks the column."""
+    if metadata is None:
+        return {}
+    if len(metadata) != batch_size:
+        raise ValueError(f"{len(metadata)} metadata rows for {batch_size} videos")
+    names = dict.fromkeys(name for row in metadata for name in row if name not in POSITIONAL)
+    return {name: [row.get(name) for row in metadata] for name in names}
+
+
+@dataclass(frozen=True)
+class MetadataParameters:
+    """Which metadata columns a reward's ``__call__`` takes: every one (``**kwargs``) or the ones it names."""
+
+    takes_all: bool
+    named: frozenset[str]
+    required: frozenset[str]
+
+    @classmethod
+    def of(cls, reward) -> "MetadataParameters":
+        try:
+            parameters = list(inspect.signature(reward).parameters.values())
+        except (TypeError, ValueError):  # no introspectable signature (a C callable): the plain contract
+            return cls(False, frozenset(), frozenset())
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        keywords = [p for p in parameters if p.kind in positional][len(POSITIONAL):]
+        keywords += [p for p in parameters if p.kind == inspect.Parameter.KEYWORD_ONLY]
+        return cls(takes_all=any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters),
+                   named=frozenset(p.name for p in keywords),
+                   required=frozenset(p.name for p in keywords if p.default is inspect.Parameter.empty))
+
+    def select(self, columns: Columns, reward_name: str) -> Columns:
+        """The columns to pass; a required column no prompt has is a one-line UserError naming the reward."""
+        missing = sorted(self.required - set(columns))
+        if missing:
+            have = ", ".join(sorted(columns)) or "none"
+            raise UserError(f"reward {reward_name!r} needs the prompt column(s) {', '.join(missing)}, which the "
+                            f"prompts lack (their columns: {have}); use a .jsonl or .csv source with them")
+        return dict(columns) if self.takes_all else {k: v for k, v in columns.items() if k in self.named}
+
+
+def slice_columns(columns: Columns, start: int, stop: int) -> Columns:
+    return {name: values[start:stop] for name, values in columns.items()}
 
 
 def check_scores(output: object, batch_size: int, reward_name: str) -> Scores:

@@ -6,9 +6,10 @@ Built-in rewards are imported on first use, so configuring ``brightness`` never 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from typing import Any, Callable
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from ..components import resolve
 from ..errors import UserError
@@ -36,21 +37,48 @@ BUILTIN_REWARDS = {
 
 
 class RewardSpec(BaseModel):
-    """One reward in a config.
+    """One reward in a config, resolved and bound when the config is validated (before any model loads).
 
     ``name``: a built-in (see ``BUILTIN_REWARDS``) or a dotted path ``"my_pkg.rewards:SafetyReward"`` to a class or
-    factory. ``kwargs`` go to it. ``weights``: per-dimension weights in the total, or a preset name (``setting_a``,
-    ``setting_b``); ``{}`` weighs nothing (a reported-only metric); when omitted, the reward's ``default_weights``
-    or else weight 1 on every dimension it returns. Dimensions without a weight are still reported.
+    factory; it is imported at validation, so a typo is a one-line error naming ``rewards.N.name``. ``kwargs`` go to
+    it and are bound to its signature at validation (``rewards.N.kwargs``); the reward itself is built later
+    (``build_reward``), so heavy models still load lazily. ``weights``: per-dimension weights in the total, or a
+    preset name (``setting_a``, ``setting_b``); ``{}`` weighs nothing (a reported-only metric); when omitted, the
+    reward's ``default_weights``, else weight 1 on its dimension if it reports exactly one (a reward reporting
+    several must say which count: see ``effective_weights``). Dimensions without a weight are reported, not summed.
     ``batch_size``: videos per call (None: the whole batch).
     """
 
     model_config = ConfigDict(extra="forbid")
 
     name: str
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: dict[str, Any] = Field(default_factory=dict, validate_default=True)  # bound even when omitted
     weights: dict[str, float] | str | None = None
     batch_size: int | None = Field(default=None, ge=1)
+
+    @field_validator("name")
+    @classmethod
+    def _resolvable(cls, name: str) -> str:
+        try:
+            resolve_factory(name)
+        except UserError as error:  # pydantic reports ValueErrors with the key's location
+            raise ValueError(str(error)) from None
+        return name
+
+    @field_validator("kwargs")
+    @classmethod
+    def _bindable(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "name" in info.data:  # absent when the name itself failed: that error is the one to report
+            try:
+                signature = inspect.signature(resolve_factory(info.data["name"]))
+            except (TypeError, ValueError):  # nothing to check a C callable against
+                return kwargs
+            try:
+                signature.bind(**kwargs)
+            except TypeError as error:
+                raise ValueError(f"{error} (reward {info.data['name']!r} takes {_parameter_list(signature)})") \
+                    from None
+        return kwargs
 
     @field_validator("weights")
     @classmethod
@@ -65,15 +93,38 @@ class RewardSpec(BaseModel):
             return dict(WEIGHT_PRESETS[self.weights])
         return None if self.weights is None else dict(self.weights)
 
+    def effective_weights(self, reward, reported: Iterable[str]) -> dict[str, float]:
+        """The weights this reward's dimensions enter the total with: the config's, else the reward's
+        ``default_weights``, else 1 on its only dimension. Several dimensions and no weights anywhere is a one-line
+        UserError: summing them all would silently count extras (a word count, an "Overall" that already sums the
+        others) in the total, and weighing none would silently train on nothing."""
+        weights = self.explicit_weights()
+        if weights is None:
+            weights = getattr(reward, "default_weights", None)
+        if weights is not None:
+            return dict(weights)
+        reported = sorted(reported)
+        if len(reported) > 1:
+            raise UserError(f"reward {self.name!r} reports {len(reported)} dimensions ({', '.join(reported)}) and "
+                            f"no weights: set its weights, e.g. {{{reported[0]}: 1.0}} (unweighted dimensions are "
+                            "reported, not summed; weights: {} reports them all)")
+        return dict.fromkeys(reported, 1.0)
+
+
+def _parameter_list(signature: inspect.Signature) -> str:
+    names = [name for name, parameter in signature.parameters.items()
+             if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)]
+    return ", ".join(names) or "no arguments"
+
 
 def build_reward(spec: RewardSpec) -> Callable:
-    """Instantiate the reward a spec names; bad kwargs are a one-line UserError naming the reward."""
-    factory = resolve_factory(spec.name)
+    """Instantiate the reward a spec names (its kwargs were bound at validation). A value its constructor rejects
+    (ValueError) is a one-line UserError naming the reward."""
     try:
-        inspect.signature(factory).bind(**spec.kwargs)
-    except TypeError as error:
-        raise UserError(f"reward {spec.name!r}: bad kwargs {sorted(spec.kwargs)}: {error}") from None
-    reward = factory(**spec.kwargs)
+        reward = resolve_factory(spec.name)(**spec.kwargs)
+    except ValueError as error:
+        raise UserError(f"reward {spec.name!r}: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+                        ) from None
     if not callable(reward):
         raise UserError(f"reward {spec.name!r} built a {type(reward).__name__}, which is not callable")
     return reward
