@@ -19,6 +19,7 @@ worker thread, so scoring one rollout batch can overlap generating the next.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from core import distributed
 from core.errors import UserError
 from core.rewards import RewardSpec, RewardUnavailable, Scores, VideoBatch, build_reward, check_scores
 from core.rewards.base import Columns, MetadataParameters, merge_dimensions, metadata_columns, slice_columns, \
@@ -250,3 +252,24 @@ class Scorer:
 def _describe(error: BaseException) -> str:
     text = str(error).splitlines()[0] if str(error) else ""
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def reward_metrics(scored: ScoredBatch) -> dict[str, float]:
+    """Mean and std of the total and of every dimension over all ranks' samples; missing scores are left out."""
+    sums = {}
+    for name, values in [("reward", scored.total)] + [(f"reward/{k}", v) for k, v in scored.dimensions.items()]:
+        present = [v for v in values if v is not None and not math.isnan(v)]
+        sums[f"{name}|n"] = len(present)
+        sums[f"{name}|s"] = sum(present)
+        sums[f"{name}|ss"] = sum(v * v for v in present)
+    sums["failed|n"] = sum(scored.failed.values())
+    means = distributed.all_reduce_mean(sums)  # equal factors on every key: ratios of means are ratios of sums
+    metrics = {"reward/failed_samples": means["failed|n"] * distributed.world_size()}
+    for key in {k.split("|")[0] for k in sums if k != "failed|n"}:
+        n = means[f"{key}|n"]
+        mean = means[f"{key}|s"] / n if n else float("nan")
+        variance = means[f"{key}|ss"] / n - mean**2 if n else float("nan")
+        name = "reward/mean" if key == "reward" else f"{key}/mean"
+        metrics[name] = mean
+        metrics[name.replace("/mean", "/std")] = math.sqrt(max(variance, 0.0)) if n else float("nan")
+    return metrics
