@@ -11,13 +11,17 @@ Both work on a module partitioned by ZeRO-3: every rank must call them (the gath
       pipe.transformer.load_lora_adapter(export_dir, weight_name="pytorch_lora_weights.safetensors")
 
   (``prefix="transformer"`` is the default; without ``weight_name`` or ``use_safetensors=True`` this method only
-  looks for a pickled ``.bin``.) The metadata matters: without it diffusers assumes ``lora_alpha == r`` and scales a differently configured
-  adapter wrongly.
+  looks for a pickled ``.bin``.) The adapter's scale ``lora_alpha / r`` is folded into the ``lora_B`` weights and the
+  config written says ``lora_alpha == r``: a loader that reads the config and one that ignores it (diffusers without
+  metadata, ComfyUI and other tools that assume ``alpha == r``) both apply the adapter at the trained strength.
 - ``export_full``: ``config.json`` and ``diffusion_pytorch_model*.safetensors`` (sharded with an index above 10 GB),
-  loadable with ``HunyuanVideo15Transformer3DModel.from_pretrained(export_dir)``.
+  loadable with ``HunyuanVideo15Transformer3DModel.from_pretrained(export_dir)`` (or the Wan class for Wan).
+- ``export_policy``: whichever of the two fits the model (LoRA if it carries an adapter).
 
-Each export also holds ``export.json`` (kind and sha256 of every file), and appears at ``out_dir`` whole or not at
-all: it is written into a temporary sibling directory that is renamed into place.
+Each export also holds ``export.json``: the kind, the base model it applies to (``model``: the name
+``core.models.build_adapter`` takes, ``hunyuan15``, ``wan``, a tiny one or a dotted factory, with the pretrained
+checkpoint and keyword arguments; see :func:`model_record`) and the sha256 of every file. It appears at ``out_dir``
+whole or not at all: it is written into a temporary sibling directory that is renamed into place.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import safetensors.torch
 import torch
@@ -48,24 +52,49 @@ MAX_SHARD_SIZE = "10GB"  # diffusers' save_pretrained default
 ExportKind = Literal["lora", "full"]
 
 
-def export_lora(transformer: torch.nn.Module, out_dir: str | Path) -> Path | None:
-    """Write the ``default`` LoRA adapter of ``transformer`` to ``out_dir``; the path on rank 0, None elsewhere."""
+def model_record(name: str, *, pretrained: str | None = None, kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What ``export.json`` says about the base model: enough to build it again with
+    ``build_adapter(name, path_or_hub_id=pretrained, **kwargs)`` (the run config's ``model.name``,
+    ``model.pretrained`` and ``model.kwargs``). Refuses what JSON cannot hold rather than writing a record that
+    cannot be read back."""
+    record = {"name": name, "pretrained": pretrained, "kwargs": dict(kwargs or {})}
+    try:
+        json.dumps(record, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"model {name!r}: its kwargs cannot be recorded in {EXPORT_MANIFEST}: {error}") from None
+    return record
+
+
+def export_policy(engine_or_module, out_dir: str | Path, *, model: dict[str, Any] | None = None) -> Path | None:
+    """The LoRA adapter if the model carries one, else the whole transformer; see the two functions below."""
+    module = getattr(engine_or_module, "module", engine_or_module)
+    if getattr(module, "peft_config", None):
+        return export_lora(module, out_dir, model=model)
+    return export_full(engine_or_module, out_dir, model=model)
+
+
+def export_lora(transformer: torch.nn.Module, out_dir: str | Path, *,
+                model: dict[str, Any] | None = None) -> Path | None:
+    """Write the ``default`` LoRA adapter of ``transformer`` to ``out_dir``, its scale folded into ``lora_B``;
+    ``model`` (see :func:`model_record`) names the base model in ``export.json``. The path on rank 0, None
+    elsewhere."""
     peft_config = getattr(transformer, "peft_config", {}).get(ADAPTER_NAME)
     if peft_config is None:
         raise ValueError(f"{type(transformer).__name__} has no LoRA adapter named {ADAPTER_NAME!r} to export")
-    weights = _gathered_adapter_state(transformer)
+    weights = _fold_scaling(_gathered_adapter_state(transformer), _adapter_scalings(transformer))
     if not distributed.is_main():
         return None
     prefixed = {f"{TRANSFORMER_PREFIX}.{name}": tensor for name, tensor in weights.items()}
     metadata = {"format": "pt", "lora_adapter_metadata": _adapter_metadata(peft_config)}
     with _atomic_directory(out_dir) as staging:
         safetensors.torch.save_file(prefixed, staging / LORA_WEIGHT_NAME, metadata=metadata)
-        _write_export_manifest(staging, "lora")
+        _write_export_manifest(staging, "lora", model)
     return Path(out_dir)
 
 
-def export_full(engine_or_module, out_dir: str | Path) -> Path | None:
-    """Write the whole transformer of a DeepSpeed engine (consolidated from ZeRO-3 shards) or of a plain module."""
+def export_full(engine_or_module, out_dir: str | Path, *, model: dict[str, Any] | None = None) -> Path | None:
+    """Write the whole transformer of a DeepSpeed engine (consolidated from ZeRO-3 shards) or of a plain module;
+    ``model`` as for :func:`export_lora`."""
     module = getattr(engine_or_module, "module", engine_or_module)
     if getattr(module, "peft_config", None):
         raise ValueError("the model carries LoRA adapters: export them with export_lora, not as full weights")
@@ -76,7 +105,7 @@ def export_full(engine_or_module, out_dir: str | Path) -> Path | None:
         module.save_config(staging)
         # Not module.save_pretrained: diffusers' version takes no state_dict and would save the empty ZeRO-3 shards.
         save_torch_state_dict(state, staging, filename_pattern=FULL_WEIGHTS_PATTERN, max_shard_size=MAX_SHARD_SIZE)
-        _write_export_manifest(staging, "full")
+        _write_export_manifest(staging, "full", model)
     return Path(out_dir)
 
 
@@ -102,14 +131,47 @@ def _gathered_adapter_state(transformer: torch.nn.Module) -> dict[str, torch.Ten
     # modifier_rank=None: read-only, every rank gets the full tensors and nothing is scattered back afterwards.
     with _gathered(adapter_params, modifier_rank=None):
         state = get_peft_model_state_dict(transformer, adapter_name=ADAPTER_NAME)
-        return {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in state.items()}
+        # Copied inside the gather: outside it the partitioned parameters' data is released.
+        return _owned_copies(state)
+
+
+def _adapter_scalings(transformer: torch.nn.Module) -> dict[str, float]:
+    """peft's ``scaling`` of each adapted layer (``lora_alpha / r``, or ``/ sqrt(r)`` under rsLoRA, per-layer
+    patterns included), by the layer's name as the adapter's state-dict keys spell it."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: float(layer.scaling[ADAPTER_NAME]) for name, layer in transformer.named_modules()
+            if isinstance(layer, LoraLayer) and ADAPTER_NAME in layer.scaling}
+
+
+def _fold_scaling(weights: dict[str, torch.Tensor], scalings: dict[str, float]) -> dict[str, torch.Tensor]:
+    """``lora_B`` (weight and bias) times its layer's scale: ``scale * B(A x)`` equals ``B'(A x)``, so the adapter
+    then needs a scale of 1, which is what ``lora_alpha == r`` gives every loader."""
+    folded = {}
+    for key, tensor in weights.items():
+        layer, marker, _ = key.partition(".lora_B.")
+        if marker and scalings.get(layer, 1.0) != 1.0:
+            tensor = (tensor.double() * scalings[layer]).to(tensor.dtype)
+        folded[key] = tensor
+    return folded
 
 
 def _full_state_dict(engine_or_module, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     if _is_zero3_engine(engine_or_module):
         # DeepSpeed's own consolidation: one layer gathered at a time, so rank 0 never holds two copies on GPU.
-        return engine_or_module._zero3_consolidated_16bit_state_dict()
-    return {name: tensor.detach().cpu() for name, tensor in module.state_dict().items()}
+        state = engine_or_module._zero3_consolidated_16bit_state_dict()
+        return None if state is None else _owned_copies(state)
+    return _owned_copies(module.state_dict())
+
+
+def _owned_copies(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every tensor copied to CPU into storage of its own, one at a time (the original's memory can go before the
+    next copy). On CPU, DeepSpeed's consolidation hands back views into the flat buffer a layer was gathered into,
+    and a module's state_dict may hold views too; safetensors refuses a tensor that does not cover its storage."""
+    owned = {}
+    for name in list(state):
+        owned[name] = state.pop(name).detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+    return owned
 
 
 def _is_zero3_engine(engine_or_module) -> bool:
@@ -126,17 +188,22 @@ def _gathered(params: list[torch.nn.Parameter], modifier_rank: int | None) -> co
 
 
 def _adapter_metadata(peft_config) -> str:
-    """The peft config as diffusers stores it: JSON, keys prefixed by the component name, sets as lists."""
-    config = {
-        f"{TRANSFORMER_PREFIX}.{key}": sorted(value) if isinstance(value, set) else value
-        for key, value in peft_config.to_dict().items()
+    """The peft config as diffusers stores it (JSON, keys prefixed by the component name, sets as lists), with the
+    scale set to 1 because :func:`_fold_scaling` put it into the weights."""
+    config = peft_config.to_dict() | {
+        "lora_alpha": peft_config.r,
+        "alpha_pattern": dict(peft_config.rank_pattern or {}),
+        "use_rslora": False,
     }
+    config = {f"{TRANSFORMER_PREFIX}.{key}": sorted(value) if isinstance(value, set) else value
+              for key, value in config.items()}
     return json.dumps(config, indent=2, sort_keys=True)
 
 
-def _write_export_manifest(directory: Path, kind: ExportKind) -> None:
+def _write_export_manifest(directory: Path, kind: ExportKind, model: dict[str, Any] | None) -> None:
     files = {path.name: _sha256_and_size(path)[0] for path in sorted(directory.iterdir()) if path.is_file()}
-    (directory / EXPORT_MANIFEST).write_text(json.dumps({"kind": kind, "files": files}, indent=2) + "\n")
+    manifest = {"kind": kind, "model": model, "files": files}
+    (directory / EXPORT_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 @contextlib.contextmanager

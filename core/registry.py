@@ -10,7 +10,9 @@ Recipe::
     videos = policy.predict(["a red fox runs through snow"], params={"seed": 0})              # uint8 [B, F, H, W, 3]
 
 Aliases, never the deprecated stages. Each version is an MLflow pyfunc (:class:`VideoPolicyModel`) holding the export
-(LoRA adapter or full transformer) and the name of the base model it applies to; ``predict`` generates videos.
+(LoRA adapter or full transformer) and the name of the base model it applies to; ``predict`` generates videos on
+that base model, built again as the export's ``export.json`` records it (HunyuanVideo 1.5, Wan, a tiny model or a
+dotted factory; exports without the record are HunyuanVideo 1.5).
 Serving it needs this package installed: the pyfunc refers to :class:`VideoPolicyModel` by import path.
 
 Integrity: every file of the logged model is listed with its sha256 in ``sha256sums.json``, whose own digest is a tag
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,13 +171,15 @@ class VideoPolicyModel(PythonModel):
         from core.models import build_adapter
 
         export_dir = Path(context.artifacts["export"])
-        read_export_manifest(export_dir)  # a corrupted weight file fails here, not as garbage videos
-        base_model = context.model_config["base_model"]
-        if base_model == TINY_BASE_MODEL:
-            self.adapter = build_adapter(TINY_BASE_MODEL)
-        else:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.adapter = build_adapter("hunyuan15", path_or_hub_id=base_model, device=device)
+        manifest = read_export_manifest(export_dir)  # a corrupted weight file fails here, not as garbage videos
+        model = manifest.get("model") or _legacy_model_record(context.model_config["base_model"])
+        kwargs = dict(model["kwargs"])
+        if model["pretrained"] is not None:
+            # The registered base model, not the path training read it from (registry.base_model may name a hub
+            # id where training used a local copy).
+            kwargs |= {"path_or_hub_id": context.model_config["base_model"],
+                       "device": "cuda" if torch.cuda.is_available() else "cpu"}
+        self.adapter = build_adapter(model["name"], **kwargs)
         _apply_export(self.adapter.transformer, export_dir, context.model_config["kind"])
 
     # DataFrame: what MLflow makes of any input under _SIGNATURE. The hint also keeps MLflow from inferring a
@@ -192,6 +197,13 @@ class VideoPolicyModel(PythonModel):
             output_type="np",
         )
         return (result.frames * 255).round().clip(0, 255).astype("uint8")
+
+
+def _legacy_model_record(base_model: str) -> dict[str, Any]:
+    """Exports written before ``export.json`` named the model family: HunyuanVideo 1.5 was the only one."""
+    if base_model == TINY_BASE_MODEL:
+        return {"name": TINY_BASE_MODEL, "pretrained": None, "kwargs": {}}
+    return {"name": "hunyuan15", "pretrained": base_model, "kwargs": {}}
 
 
 def _apply_export(transformer, export_dir: Path, kind: str) -> None:
@@ -331,10 +343,13 @@ def _judge(candidate: dict[str, float], champion: dict[str, float] | None, prima
     """Whether the candidate may replace the champion, and why (or why not), one reason per check."""
     if primary_metric not in candidate:
         return False, [f"{primary_metric} was not recorded for this version"]
+    if not math.isfinite(candidate[primary_metric]):
+        # A run whose rewards all failed evaluates to nan; it must never become the first champion either.
+        return False, [f"{primary_metric} is {candidate[primary_metric]}: not a number to promote on"]
     if champion is None:
         return True, [f"first champion ({primary_metric} {candidate[primary_metric]:.4g})"]
-    if primary_metric not in champion:
-        return True, [f"the champion has no {primary_metric} to compare with"]
+    if not math.isfinite(champion.get(primary_metric, math.nan)):
+        return True, [f"the champion has no finite {primary_metric} to compare with"]
     checks = [_primary_check(candidate, champion, primary_metric, min_improvement)]
     checks += [_guard_check(candidate, champion, metric, tolerance) for metric, tolerance in sorted(guarded.items())
                if metric in champion]

@@ -18,9 +18,9 @@ from mlflow import MlflowClient
 
 from core import registry
 from core.errors import UserError
-from core.export import LORA_WEIGHT_NAME, export_full, export_lora
+from core.export import LORA_WEIGHT_NAME, export_full, export_lora, model_record
 from core.lora import LoraConfig, add_lora
-from core.models.tiny import tiny_hunyuan15_pipeline
+from core.models.tiny import tiny_hunyuan15_pipeline, tiny_wan
 from core.registry import (
     CHALLENGER,
     CHAMPION,
@@ -138,8 +138,8 @@ def aliases(client, model_name) -> dict[str, str]:
     return dict(client.get_registered_model(model_name).aliases)
 
 
-def generate(pipeline) -> np.ndarray:
-    frames = pipeline(prompt=[PROMPT], height=32, width=32, num_frames=5, output_type="np",
+def generate(pipeline, height: int = 32, width: int = 32, num_frames: int = 5) -> np.ndarray:
+    frames = pipeline(prompt=[PROMPT], height=height, width=width, num_frames=num_frames, output_type="np",
                       num_inference_steps=GENERATION["num_inference_steps"],
                       generator=torch.Generator().manual_seed(GENERATION["seed"])).frames
     return (frames * 255).round().clip(0, 255).astype("uint8")
@@ -171,6 +171,26 @@ def test_a_full_export_registers_and_generates_the_trained_video(client, model_n
 
     np.testing.assert_array_equal(video, generate(pipeline))
     assert not np.array_equal(video, generate(tiny_hunyuan15_pipeline()))
+
+
+def test_a_registered_wan_policy_loads_back_on_the_base_model_its_export_names(client, model_name, run_id, server,
+                                                                              tmp_path):
+    # seed 1: the base weights come from the recorded kwargs, not from the factory's default (seed 0).
+    trained = tiny_wan(seed=1)
+    add_lora(trained.transformer, LoraConfig(enabled=True, rank=4, alpha=8.0))
+    perturb((param for param in trained.transformer.parameters() if param.requires_grad), scale=0.2)
+    export_dir = export_lora(trained.transformer, tmp_path / "wan-lora",
+                             model=model_record("tiny-wan", kwargs={"seed": 1}))
+    version = register_export(client, model_name, export_dir, run_id, {}, export_key(run_id, 40),
+                              base_model="tiny-wan")
+
+    policy = load_registered_policy(f"models:/{model_name}/{version.version}", tracking_uri=server.url)
+    video = policy.predict([PROMPT], params=GENERATION)
+
+    size = {"height": trained.height, "width": trained.width, "num_frames": trained.num_frames}
+    assert video.shape == (1, size["num_frames"], size["height"], size["width"], 3)
+    np.testing.assert_array_equal(video, generate(trained.pipeline, **size))
+    assert not np.array_equal(video, generate(tiny_wan(seed=1).pipeline, **size))
 
 
 def test_artifacts_live_on_s3(client, model_name, trained, run_id, s3_artifacts):
@@ -251,6 +271,16 @@ def test_promotion_gate_moves_the_champion_only_past_the_margin_and_guards(clien
     rerun = promote(client, model_name, **gate)
     assert rerun.promoted and rerun.reasons == ["already the champion"]
     assert len(client.search_model_versions(f"name = '{model_name}'")) == 4
+
+
+def test_a_nan_metric_never_becomes_the_first_champion(client, model_name, trained, run_id):
+    version = register(client, model_name, trained, run_id, step=1, **{"eval/reward": float("nan")})
+
+    decision = promote(client, model_name)
+
+    assert not decision.promoted and "not a number" in decision.reasons[0]
+    assert CHAMPION not in aliases(client, model_name)
+    assert client.get_model_version(model_name, version.version).tags[DECISION_TAG].startswith("rejected:")
 
 
 def test_dry_run_changes_nothing(client, model_name, trained, run_id):
