@@ -1,0 +1,122 @@
+"""Load DeepSpeed's checkpoint files as data: no code from a checkpoint ever runs.
+
+DeepSpeed writes its engine state with ``torch.save`` (pickles) and reads it back with
+``torch.load(..., weights_only=False)`` from several places: ``TorchCheckpointEngine.load`` (model states and every
+ZeRO-1/2/3 optimizer partition, LoRA or full fine-tuning), ``stage3``'s universal-checkpoint loader and
+``utils/zero_to_fp32`` (consolidation). A pickle is a program: whoever can write to the checkpoint bucket could plant
+a file whose unpickling runs a command, and rewrite the manifest's size and sha256 to match it.
+
+Choice: force ``weights_only=True`` on every ``torch.load`` made while DeepSpeed reads a checkpoint, with an explicit
+allow-list of the few DeepSpeed types its files hold, instead of
+- writing the engine state as safetensors + JSON ourselves: that re-implements DeepSpeed's ZeRO partition layout
+  (per-rank flat fp32 groups, fragment maps, loss scaler, universal-checkpoint conversion) and has to follow it across
+  DeepSpeed releases; the house rule is to use DeepSpeed's own checkpointing;
+- authenticating manifests with an HMAC: it needs a key distributed to every job and every reader (eval, export,
+  consolidation), and a leaked or misconfigured key turns the checkpoint back into code; unsigned old checkpoints
+  would need an opt-out that users would leave on.
+
+How: torch's own ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` override (documented in ``torch.load``: it wins over an explicit
+``weights_only=False``) is set for the duration of the load, so it also covers DeepSpeed code paths we did not list,
+and the allow-list is installed with ``torch.serialization.safe_globals``. Under ``weights_only`` an allowed class is
+only created and given its saved attributes; nothing on the allow-list runs code on load. Before loading, every
+``.pt`` file of the tag is scanned statically (``get_unsafe_globals_in_checkpoint``, no unpickling) so that a refusal
+names the file and the global in one line; the forced ``weights_only`` load is the guarantee, the scan the message.
+
+The allow-list is what DeepSpeed 0.19 writes for ZeRO-2 and ZeRO-3, fp32 and bf16, LoRA and full fine-tuning, with
+and without CPU offload (measured with ``get_unsafe_globals_in_checkpoint`` on real engines; ``DynamicLossScaler`` is
+what an fp16 config writes instead of ``LossScaler``). A DeepSpeed upgrade that adds a type makes loading fail with
+a one-line message naming it, never silently unsafe.
+
+The process-wide settings (an environment variable and torch's global allow-list) are restored on exit; a load
+running concurrently in another thread would only be made stricter, never laxer.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.errors import UserError
+
+_UNSUPPORTED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+# torch raises if both are set; the opt-out must not defeat the context either.
+FORCE_NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
+
+
+class UnsafeCheckpointError(UserError):
+    """A checkpoint file is not plain data (it references code outside the allow-list, or is not a torch.save zip)."""
+
+
+def deepspeed_safe_globals() -> list[type]:
+    """The DeepSpeed types its checkpoint files hold: plain data classes and an enum, none with load-time code."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextmanager
+def data_only_torch_load() -> Iterator[None]:
+    """Every ``torch.load`` inside runs with ``weights_only=True`` and DeepSpeed's allow-list; a refused file raises
+    UnsafeCheckpointError. Wrap anything that makes DeepSpeed read a checkpoint (``engine.load_checkpoint``,
+    ``deepspeed.utils.zero_to_fp32``, export or consolidation code)."""
+    saved = {name: os.environ.pop(name, None) for name in (FORCE_WEIGHTS_ONLY, FORCE_NO_WEIGHTS_ONLY)}
+    os.environ[FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with torch.serialization.safe_globals(deepspeed_safe_globals()):
+            yield
+    except pickle.UnpicklingError as error:
+        raise UnsafeCheckpointError(f"refusing to load a checkpoint file that is not plain data: "
+                                    f"{_reason(error)}") from None
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def check_data_only(directory: str | Path) -> None:
+    """UnsafeCheckpointError naming the first ``.pt`` file under ``directory`` that references a global outside the
+    allow-list or is not a ``torch.save`` zip; the files are read statically, never unpickled."""
+    with torch.serialization.safe_globals(deepspeed_safe_globals()):
+        for path in sorted(Path(directory).rglob("*.pt")):
+            try:
+                unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            except (ValueError, RuntimeError, pickle.UnpicklingError) as error:
+                raise UnsafeCheckpointError(f"{path}: not a torch.save checkpoint ({_reason(error)})") from None
+            if unsafe:
+                raise UnsafeCheckpointError(f"{path} references {', '.join(sorted(unsafe))}, which a checkpoint may "
+                                            "not contain (only tensors and DeepSpeed's own data types are loaded)")
+
+
+def load_engine_checkpoint(engine, load_dir: str | Path, tag: str, **options: Any) -> dict:
+    """``engine.load_checkpoint(load_dir, tag=tag, **options)`` with every file loaded as data; the client state.
+
+    Call it on every rank, in place of ``engine.load_checkpoint``. ``options`` are DeepSpeed's (e.g.
+    ``load_module_strict=True``); a missing tag is an error here, where DeepSpeed would only log a warning.
+    """
+    check_data_only(Path(load_dir) / tag)
+    with data_only_torch_load():
+        load_path, client_state = engine.load_checkpoint(str(load_dir), tag=tag, **options)
+    if load_path is None:
+        raise UserError(f"{load_dir}: DeepSpeed found no checkpoint with tag {tag!r}")
+    return client_state or {}
+
+
+def _reason(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    unsupported = _UNSUPPORTED_GLOBAL.search(text)
+    if unsupported:
+        return f"it references {unsupported.group(1)}, which is not on the allow-list"
+    # torch follows the reason with paragraphs of advice on turning the protection off: keep the first sentence.
+    return text.split(". ")[0] or type(error).__name__
