@@ -1,7 +1,9 @@
 """Stage 1, ingest: prompts from a file (local or S3) to a validated, deduplicated, deterministically split set.
 
 Recipe:
-  1. read the source's bytes (a local path or ``s3://bucket/key``);
+  1. read the source's bytes (a local path or ``s3://bucket/key``) and decode them: UTF-8, or UTF-16/UTF-32 when a
+     byte-order mark says so; a file that is mostly not UTF-8, or UTF-16 without a mark (NUL bytes), is refused in
+     one line rather than trained on as garbage;
   2. parse it by suffix: ``.txt`` (one prompt per line), ``.jsonl`` or ``.csv`` (a prompt column; every other
      column rides along as the prompt's metadata, which reward functions receive);
   3. skip bad entries (undecodable, empty, whitespace-only, too long) and duplicates, recording each with its line
@@ -15,6 +17,7 @@ by encoder and prompt) and ``PromptSampler`` (which prompts each rank rolls out 
 
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
 import io
@@ -85,11 +88,17 @@ class PromptSet:
     eval: list[Prompt]
     report: IngestReport
 
+    def metadata_for(self, ids, split: str = "train") -> list[dict[str, Any]]:
+        """The metadata of ``split``'s prompts at ``ids`` (e.g. a rollout's per-sample group ids), in order: what
+        ``Scorer.score(..., metadata=...)`` passes to the rewards."""
+        prompts = self.train if split == "train" else self.eval
+        return [prompts[int(index)].metadata for index in ids]
+
 
 def ingest(config: DataConfig) -> PromptSet:
-    """The whole stage: read, validate, deduplicate, split."""
+    """The whole stage: read, decode, validate, deduplicate, split."""
     suffix = _suffix(config.source)
-    text = read_source(config).decode("utf-8-sig", errors="surrogateescape")
+    text = decode(read_source(config), config.source)
     report = IngestReport()
     prompts = _keep_valid_unique(_entries(text, suffix, config.prompt_column, config.source), config, report)
     log.info("ingest %s: %s", config.source, report.summary())
@@ -137,6 +146,36 @@ def _read_s3(uri: str, endpoint_url: str | None) -> bytes:
         return client.get_object(Bucket=bucket, Key=key)["Body"].read()
     except (ClientError, BotoCoreError) as error:
         raise UserError(f"cannot read data.source {uri}: {error}") from None
+
+
+# Byte-order marks of the wide encodings, longest first: UTF-32-LE's mark begins with UTF-16-LE's.
+_WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+              (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
+# Text in UTF-16 or UTF-32 without a mark has a NUL in every other (or 3 of 4) bytes of ASCII; real UTF-8 prompt
+# files have none, so a share this high is an encoding, not a stray corrupt byte (which is skipped with its line).
+_NUL_SHARE_OF_WIDE_TEXT = 0.1
+
+
+def decode(data: bytes, source: str) -> str:
+    """The source's text. Bytes that are not UTF-8 survive as lone surrogates (``surrogateescape``), so their lines
+    are skipped as undecodable with their line numbers; a file where most lines are like that is refused."""
+    for bom, codec in _WIDE_BOMS:
+        if data.startswith(bom):
+            try:
+                return data.decode(codec.lower())
+            except UnicodeDecodeError as error:
+                raise UserError(f"{source} starts with a {codec} byte-order mark but is not valid {codec} "
+                                f"(at byte {error.start}); re-save it as UTF-8") from None
+    if data.count(0) > _NUL_SHARE_OF_WIDE_TEXT * len(data):
+        raise UserError(f"{source} is not UTF-8 text ({data.count(0)} NUL bytes: UTF-16 or UTF-32 without a "
+                        "byte-order mark?); re-save it as UTF-8")
+    text = data.removeprefix(codecs.BOM_UTF8).decode("utf-8", errors="surrogateescape")
+    lines = [line for _, line in _lines(text) if line.strip()]
+    broken = [line for line in lines if not _is_valid_utf8(line)]
+    if len(broken) * 2 > len(lines):
+        raise UserError(f"{source} is not UTF-8: {len(broken)} of {len(lines)} lines hold invalid bytes "
+                        "(another encoding, e.g. Latin-1 or cp1252?); re-save it as UTF-8")
+    return text
 
 
 # --- 2. Parsing: one (line, text | None, metadata) per entry; text None means undecodable ----------------------
@@ -222,8 +261,9 @@ def _is_valid_utf8(text: str) -> bool:
 
 
 def _problem(raw: str | None, metadata: dict[str, Any], max_chars: int) -> str | None:
-    # Metadata is checked through its JSON text, which reaches strings nested at any depth.
-    if raw is None or not _is_valid_utf8(raw) or not _is_valid_utf8(json.dumps(metadata, ensure_ascii=False)):
+    # Metadata is checked through its JSON text, which reaches strings nested at any depth. A NUL is never text.
+    if raw is None or "\0" in raw or not _is_valid_utf8(raw) or \
+            not _is_valid_utf8(json.dumps(metadata, ensure_ascii=False)):
         return "undecodable"
     if raw == "":
         return "empty"
@@ -382,7 +422,7 @@ class PromptSampler:
         self.carried_over = list(carried_over)
         self.order = [i for i in permutation if i not in later] + [i for i in permutation if i in later]
 
-    def __iter__(self) -> "PromptSampler":
+    def __iter__(self) -> PromptSampler:
         return self
 
     def __next__(self) -> list[int]:

@@ -34,8 +34,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from core import distributed
 from core.errors import UserError
 from core.rewards import RewardSpec, RewardUnavailable, Scores, VideoBatch, build_reward, check_scores
-from core.rewards.base import Columns, MetadataParameters, merge_dimensions, metadata_columns, slice_columns, \
-    weighted_total
+from core.rewards.base import (
+    Columns,
+    MetadataParameters,
+    merge_dimensions,
+    metadata_columns,
+    slice_columns,
+    weighted_total,
+)
 
 logger = logging.getLogger(__name__)
 

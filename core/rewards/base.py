@@ -45,7 +45,7 @@ class VideoBatch(Sequence):
                 raise ValueError(f"video {index} must be uint8 [F, H, W, 3], got {video.dtype} {list(video.shape)}")
 
     @classmethod
-    def from_tensor(cls, videos: torch.Tensor, fps: float) -> "VideoBatch":
+    def from_tensor(cls, videos: torch.Tensor, fps: float) -> VideoBatch:
         """From a model's decoded batch, uint8 [B, F, H, W, 3]."""
         return cls(list(videos.unbind(0)), fps)
 
@@ -93,7 +93,7 @@ class MetadataParameters:
     required: frozenset[str]
 
     @classmethod
-    def of(cls, reward) -> "MetadataParameters":
+    def of(cls, reward) -> MetadataParameters:
         try:
             parameters = list(inspect.signature(reward).parameters.values())
         except (TypeError, ValueError):  # no introspectable signature (a C callable): the plain contract

@@ -6,8 +6,8 @@ Built-in rewards are imported on first use, so configuring ``brightness`` never 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 

@@ -1,5 +1,6 @@
 """Stage 1: prompt validation with line numbers, dedup, the hash split, the embedding cache and the prompt sampler."""
 
+import codecs
 import json
 import random
 
@@ -208,3 +209,51 @@ def test_resume_with_another_prompt_count_is_refused():
 def test_too_few_prompts_for_the_ranks_is_a_user_error():
     with pytest.raises(UserError):
         PromptSampler(5, 2, 0, 3, 0)
+
+
+# --- Encodings -------------------------------------------------------------------------------------------------
+
+
+JSONL_TEXT = '{"prompt": "un café la nuit", "style": "noir"}\n{"prompt": "東京の雨", "style": "anime"}\n'
+
+
+@pytest.mark.parametrize("codec", ["utf-16", "utf-16-le", "utf-16-be", "utf-32"])
+def test_files_with_a_wide_byte_order_mark_are_decoded(tmp_path, codec):
+    path = tmp_path / "p.jsonl"
+    data = JSONL_TEXT.encode(codec)
+    bom = {"utf-16-le": codecs.BOM_UTF16_LE, "utf-16-be": codecs.BOM_UTF16_BE}.get(codec, b"")
+    path.write_bytes(bom + data)                     # "utf-16"/"utf-32" write their own mark
+    prompts = run(str(path))
+    assert [(p.text, p.metadata) for p in prompts.train] == [("un café la nuit", {"style": "noir"}),
+                                                             ("東京の雨", {"style": "anime"})]
+
+
+def test_a_utf8_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_bytes(codecs.BOM_UTF8 + b"a cat\na dog\n")
+    assert [p.text for p in run(str(path)).train] == ["a cat", "a dog"]
+
+
+@pytest.mark.parametrize("data, message", [
+    ("a cat\na dog\n".encode("utf-16-le"), "UTF-16 or UTF-32 without a byte-order mark"),
+    (codecs.BOM_UTF16_LE + "a cat\n".encode("utf-16-le") + b"x", "not valid UTF-16"),
+    ("café\nthé\nnaïve\na dog\n".encode("latin-1"), "3 of 4 lines hold invalid bytes"),
+])
+def test_text_in_an_undeclared_encoding_is_refused_in_one_line(tmp_path, data, message):
+    path = tmp_path / "p.txt"
+    path.write_bytes(data)
+    with pytest.raises(UserError) as error:
+        run(str(path))
+    assert message in str(error.value) and str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_stray_nul_skips_its_line_only(tmp_path):
+    prompts = run(write(tmp_path, "p.txt", [b"a cat", b"a d\x00og", b"a bird", b"a fish"]))
+    assert [p.text for p in prompts.train] == ["a cat", "a bird", "a fish"]
+    assert prompts.report.skipped["undecodable"] == [2]
+
+
+def test_metadata_for_follows_the_ids_a_rollout_gives_its_samples(tmp_path):
+    lines = [json.dumps({"prompt": f"prompt {i}", "style": f"s{i}"}).encode() for i in range(3)]
+    prompts = run(write(tmp_path, "p.jsonl", lines))
+    assert prompts.metadata_for(torch.tensor([2, 2, 0])) == [{"style": "s2"}, {"style": "s2"}, {"style": "s0"}]

@@ -12,10 +12,9 @@ from pydantic import BaseModel, ValidationError
 from core.config_loading import validate
 from core.errors import UserError
 from core.grpo import group_advantages
-from core.rewards import RewardSpec, VideoBatch, build_reward
-from core.rewards.frames import sampled_frame_count, smart_resize, uniform_frame_indices
-from core.rewards import videoalign
+from core.rewards import RewardSpec, VideoBatch, build_reward, videoalign
 from core.rewards.clip import tiny_clipscore, tiny_pickscore
+from core.rewards.frames import sampled_frame_count, smart_resize, uniform_frame_indices
 from stages.score import Scorer
 
 pytestmark = pytest.mark.unit
