@@ -115,6 +115,7 @@ def _serve_reward(args) -> int:
 def _add_plan(subparsers) -> None:
     parser = subparsers.add_parser("plan", help="per-GPU memory for a config: fits or not, smallest node count")
     parser.add_argument("config", help="run config YAML")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     parser.add_argument("--gpus-per-node", type=int, required=True)
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--gpu-mem", type=float, default=80.0, help="GB of memory per GPU (default 80)")
@@ -126,7 +127,7 @@ def _plan(args) -> int:
 
     if args.gpu_mem <= 0 or not math.isfinite(args.gpu_mem):
         raise UserError(f"--gpu-mem must be a positive number of GB, got {args.gpu_mem}")
-    print(plan_from_config(args.config, args.gpus_per_node, args.nodes, args.gpu_mem))
+    print(plan_from_config(args.config, args.gpus_per_node, args.nodes, args.gpu_mem, list(args.overrides)))
     return 0
 
 
@@ -209,9 +210,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Options and ``key=value`` overrides in any order (argparse alone stops collecting positionals at the first
+    option, so ``run CONFIG --max-iterations 4 key=value`` would be refused)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    overrides = [item for item in extra if "=" in item and not item.startswith("-")]
+    if extra != overrides or (overrides and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if overrides:
+        args.overrides = list(args.overrides) + overrides
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_args(argv)
         return args.handler(args)
     except UserError as error:
         print(f"sagegrpo: error: {error}", file=sys.stderr)

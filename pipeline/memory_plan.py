@@ -5,7 +5,8 @@ Model states come from DeepSpeed's own estimators (``estimate_zero3_model_states
 as bf16 tensors placed the way the ZeRO stage places parameters. Activations are an estimate (see
 ``activation_bytes``), not a measurement: confirm a plan on one node before booking sixty-four.
 
-``sagegrpo plan CONFIG`` reads these keys of the run config (``pipeline.config``), with that schema's defaults:
+``sagegrpo plan CONFIG [key=value ...]`` validates the config with the run schema (``pipeline.config``), so the
+plan sees exactly the values (and defaults) a run would, and reads:
 
 - ``model.name``: only the HunyuanVideo 1.5 transformer is modelled (``hunyuan15``); tiny and other models are refused.
 - ``model.pretrained``: when it is a local diffusers folder, ``transformer/config.json`` gives the architecture;
@@ -17,7 +18,7 @@ as bf16 tensors placed the way the ZeRO stage places parameters. Activations are
   trainable count is peft's own.
 - ``deepspeed.config`` (``zero3``): a name in ``deepspeed_configs/`` or a JSON path, for ``zero_optimization.stage``
   and the ``offload_optimizer`` / ``offload_param`` devices.
-- ``update.micro_batch_size`` (1), ``update.gradient_checkpointing`` (false), ``trust_region.anchor_offload`` (false).
+- ``update.micro_batch_size``, ``update.gradient_checkpointing``, ``trust_region.anchor_offload``.
 """
 
 from __future__ import annotations
@@ -316,13 +317,6 @@ def plan(
     return dataclasses.replace(at(nodes), min_nodes=min_nodes)
 
 
-def _section(config: dict, name: str) -> dict:
-    value = config.get(name) or {}
-    if not isinstance(value, dict):
-        raise UserError(f"config key {name} must be a section")
-    return value
-
-
 def _zero_settings(name_or_path: str) -> tuple[int, bool, bool]:
     """(stage, offload_optimizer, offload_param) of a DeepSpeed config, found the way stages/update.py finds it."""
     from stages.update import DEEPSPEED_CONFIGS
@@ -345,27 +339,26 @@ def _transformer_config(pretrained: str | None) -> dict | None:
     return json.loads(config_path.read_text())
 
 
-def plan_from_config(config_path: str | Path, gpus_per_node: int, nodes: int, gpu_mem_gb: float) -> MemoryPlan:
-    """The plan for a run config (keys read: see the module docstring)."""
-    from core.config_loading import read_yaml, validate
-    from core.lora import LoraConfig
+def plan_from_config(config_path: str | Path, gpus_per_node: int, nodes: int, gpu_mem_gb: float,
+                     overrides: list[str] = ()) -> MemoryPlan:
+    """The plan for a run config, validated by the run schema (``pipeline.config``) with ``key=value`` overrides."""
+    from pipeline.config import load_run_config
 
-    config = read_yaml(config_path)
-    model = _section(config, "model")
-    name = str(model.get("name", "tiny-hunyuan15"))
-    if "hunyuan" not in name.lower() or name.lower().startswith("tiny"):
-        raise UserError(f"model.name {name!r}: the planner only models the HunyuanVideo 1.5 transformer (hunyuan15)")
-    lora_config = validate(LoraConfig, _section(config, "lora"), source=f"{config_path}: lora")
-    shape = hunyuanvideo15_shape(_transformer_config(model.get("pretrained")), lora_config)
-    zero_stage, offload_optimizer, offload_param = _zero_settings(str(_section(config, "deepspeed").get("config", "zero3")))
-    video, update = _section(model, "kwargs"), _section(config, "update")
-    cfg_branches = 2 if float(model.get("guidance_scale", 1.0)) > 1 else 1
+    config = load_run_config(config_path, overrides)
+    model, update = config.model, config.update
+    if "hunyuan" not in model.name.lower() or model.name.lower().startswith("tiny"):
+        raise UserError(f"model.name {model.name!r}: the planner only models the HunyuanVideo 1.5 transformer "
+                        "(hunyuan15)")
+    shape = hunyuanvideo15_shape(_transformer_config(model.pretrained), config.lora)
+    zero_stage, offload_optimizer, offload_param = _zero_settings(config.deepspeed.config)
+    video = model.kwargs
+    cfg_branches = 2 if model.guidance_scale > 1 else 1
     return plan(
-        shape.param_count, shape.trainable_count, zero_stage, offload_optimizer, offload_param, lora_config.enabled,
+        shape.param_count, shape.trainable_count, zero_stage, offload_optimizer, offload_param, config.lora.enabled,
         gpus_per_node, nodes, gpu_mem_gb,
         int(video.get("num_frames", 81)), int(video.get("height", 480)), int(video.get("width", 848)),
-        bool(update.get("gradient_checkpointing", False)),
+        update.gradient_checkpointing,
         largest_layer_params=shape.largest_layer_params, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
-        batch=int(update.get("micro_batch_size", 1)) * cfg_branches,
-        anchor_offload=bool(_section(config, "trust_region").get("anchor_offload", False)),
+        batch=update.micro_batch_size * cfg_branches,
+        anchor_offload=config.trust_region.anchor_offload,
     )

@@ -147,6 +147,8 @@ def test_plan_from_a_config_reads_the_run_schema(tmp_path, counted):
         "lora: {enabled: true, rank: 16}\n"
         "deepspeed: {config: zero3_offload}\n"
         "update: {micro_batch_size: 1, gradient_checkpointing: true}\n"
+        "rollout: {group_size: 2, prompts_per_rank: 1}\n"
+        "data: {source: prompts.txt}\n"
     )
     plan = memory_plan.plan_from_config(config, gpus_per_node=8, nodes=1, gpu_mem_gb=80)
     assert counted == [(None, LoraConfig(enabled=True, rank=16))]
@@ -156,18 +158,21 @@ def test_plan_from_a_config_reads_the_run_schema(tmp_path, counted):
     text = str(plan)
     assert "LoRA" in text and "fits" in text and "smallest node count" in text
 
-    config.write_text("model: {name: tiny-hunyuan15}\n")
+    with pytest.raises(UserError, match="only models"):
+        memory_plan.plan_from_config(config, gpus_per_node=8, nodes=1, gpu_mem_gb=80, overrides=["model.name=tiny-hunyuan15"])
+    with pytest.raises(UserError, match="lora.rank"):
+        memory_plan.plan_from_config(config, gpus_per_node=8, nodes=1, gpu_mem_gb=80, overrides=["lora.rank=0"])
+    config.write_text("model: {name: tiny-hunyuan15}\ndata: {source: prompts.txt}\n")
     with pytest.raises(UserError, match="only models"):
         memory_plan.plan_from_config(config, gpus_per_node=8, nodes=1, gpu_mem_gb=80)
 
 
 def test_plan_command_is_registered_with_the_documented_flags(capsys, tmp_path, counted):
-    from pipeline.cli import build_parser
+    from pipeline.cli import parse_args
 
-    parser = build_parser()
     config = tmp_path / "run.yaml"
-    config.write_text("model: {name: hunyuan15}\nlora: {enabled: true}\n")
-    args = parser.parse_args(["plan", str(config), "--gpus-per-node", "8", "--nodes", "1"])
-    assert args.gpu_mem == 80.0
+    config.write_text("model: {name: hunyuan15}\nlora: {enabled: true}\ndata: {source: prompts.txt}\n")
+    args = parse_args(["plan", str(config), "--gpus-per-node", "8", "--nodes", "1", "update.micro_batch_size=2"])
+    assert args.gpu_mem == 80.0 and args.overrides == ["update.micro_batch_size=2"]
     assert args.handler(args) == 0
     assert "per GPU:" in capsys.readouterr().out
