@@ -91,6 +91,20 @@ def _sample(args) -> int:
     return sample_command(args.config, list(args.overrides), args.prompt, args.checkpoint, args.out, args.seed)
 
 
+def _add_preflight(subparsers) -> None:
+    parser = subparsers.add_parser("preflight", help="two short iterations of the real run on this node: pass/fail "
+                                                     "checks to run before spending GPU-hours")
+    parser.add_argument("config", help="run config YAML")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    parser.set_defaults(handler=_preflight)
+
+
+def _preflight(args) -> int:
+    from pipeline.commands import preflight_command
+
+    return preflight_command(args.config, list(args.overrides))
+
+
 def _add_serve_reward(subparsers) -> None:
     parser = subparsers.add_parser("serve-reward", help="serve configured rewards over HTTP for the remote reward")
     parser.add_argument("config", help="YAML file with a 'rewards:' list of reward specs")
@@ -133,14 +147,17 @@ def _plan(args) -> int:
 
 def _add_promote(subparsers) -> None:
     parser = subparsers.add_parser("promote", help="move the champion alias to a model version that passes the gate")
-    parser.add_argument("--model", required=True, help="registered model name")
+    parser.add_argument("--config", help="run config YAML: its registry section (model name, primary metric, margin, "
+                                         "guards) and tracking URI are the gate's defaults; the flags below win")
+    parser.add_argument("--model", help="registered model name (default: the config's registry.model_name)")
     parser.add_argument("--version", help="model version to judge (default: the challenger)")
-    parser.add_argument("--primary-metric", default="eval/reward")
-    parser.add_argument("--margin", type=float, default=0.0, help="the primary metric must improve by more")
-    parser.add_argument("--guard", action="append", default=[], metavar="METRIC=TOL",
-                        help="largest allowed drop of a metric; repeatable")
+    parser.add_argument("--primary-metric", help="default: registry.primary_metric, eval/reward")
+    parser.add_argument("--margin", type=float, help="the primary metric must improve by more (default: "
+                                                     "registry.margin, 0)")
+    parser.add_argument("--guard", action="append", metavar="METRIC=TOL",
+                        help="largest allowed drop of a metric; repeatable (default: registry.guards)")
     parser.add_argument("--dry-run", action="store_true", help="print the decision, change nothing")
-    parser.add_argument("--tracking-uri", help="MLflow server (default: MLFLOW_TRACKING_URI)")
+    parser.add_argument("--tracking-uri", help="MLflow server (default: tracking.tracking_uri, MLFLOW_TRACKING_URI)")
     parser.set_defaults(handler=_promote)
 
 
@@ -148,12 +165,20 @@ def _promote(args) -> int:
     from mlflow import MlflowClient
 
     from core.registry import promote
+    from pipeline.config import RegistryConfig, load_run_config
 
-    if args.margin < 0:
-        raise UserError(f"--margin must be >= 0, got {args.margin}")
-    decision = promote(MlflowClient(tracking_uri=args.tracking_uri), args.model, version=args.version,
-                       primary_metric=args.primary_metric, min_improvement=args.margin,
-                       guarded=parse_guards(args.guard), dry_run=args.dry_run)
+    config = load_run_config(args.config) if args.config else None
+    settings = config.registry if config else RegistryConfig()
+    model = args.model or settings.model_name
+    if not model:
+        raise UserError("promote needs --model, or a --config whose registry.model_name is set")
+    margin = settings.margin if args.margin is None else args.margin
+    if not margin >= 0:
+        raise UserError(f"--margin must be >= 0, got {margin}")
+    tracking_uri = args.tracking_uri or (config.tracking.tracking_uri if config else None)
+    decision = promote(MlflowClient(tracking_uri=tracking_uri), model, version=args.version,
+                       primary_metric=args.primary_metric or settings.primary_metric, min_improvement=margin,
+                       guarded=parse_guards(args.guard) if args.guard else settings.guards, dry_run=args.dry_run)
     print(decision.summary())
     return 0
 
@@ -205,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(subparsers)
     _add_sample(subparsers)
     _add_inspect_sde(subparsers)
-    for add in (_add_serve_reward, _add_plan, _add_promote, _add_schedule):
+    for add in (_add_preflight, _add_serve_reward, _add_plan, _add_promote, _add_schedule):
         add(subparsers)
     return parser
 

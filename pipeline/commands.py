@@ -88,3 +88,15 @@ def _recipe_with_policy(config_path: str, overrides: list[str], checkpoint: str 
     recipe = SageGRPORecipe(config)
     recipe.setup_policy(checkpoint)
     return recipe
+
+
+def preflight_command(config_path: str, overrides: list[str]) -> int:
+    """Exit 0 when every check passes, 1 otherwise (the failed checks are the last lines of the table)."""
+    load_run_config(config_path, overrides)  # a config error is one line before anything is built
+    setup_logging()
+    from pipeline.preflight import preflight, table
+
+    checks = preflight(config_path, overrides)
+    if distributed.is_main():
+        print(table(checks), flush=True)
+    return 1 if any(check.passed is False for check in checks) else 0

@@ -344,7 +344,11 @@ def plan_from_config(config_path: str | Path, gpus_per_node: int, nodes: int, gp
     """The plan for a run config, validated by the run schema (``pipeline.config``) with ``key=value`` overrides."""
     from pipeline.config import load_run_config
 
-    config = load_run_config(config_path, overrides)
+    return plan_for(load_run_config(config_path, overrides), gpus_per_node, nodes, gpu_mem_gb)
+
+
+def plan_for(config, gpus_per_node: int, nodes: int, gpu_mem_gb: float) -> MemoryPlan:
+    """The plan for a validated run config (``pipeline.config.RunConfig``)."""
     model, update = config.model, config.update
     if "hunyuan" not in model.name.lower() or model.name.lower().startswith("tiny"):
         raise UserError(f"model.name {model.name!r}: the planner only models the HunyuanVideo 1.5 transformer "

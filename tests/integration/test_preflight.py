@@ -1,0 +1,49 @@
+"""``sagegrpo preflight`` on the demo config: every check passes with the shipped (calibrated) trust region; the
+paper's literal lambda numbers leave the KL gradient out of band, and preflight says so with exit 1."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.pipeline_runs import DEMO, REPO, SHORT, environment
+
+pytestmark = [pytest.mark.integration]
+
+CHECKS = ["schedule", "devices", "rewards", "on-policy first update", "trust region acts", "peak memory", "time"]
+
+
+def _preflight(tmp_path, *overrides):
+    command = [sys.executable, "-m", "pipeline.cli", "preflight", str(DEMO), f"run.output_dir={tmp_path}", *SHORT,
+               *overrides]
+    return subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=600)
+
+
+def _rows(stdout: str) -> dict[str, str]:
+    rows = {}
+    for line in stdout.splitlines():
+        for name in CHECKS:
+            if line.startswith(name + " "):
+                rows[name] = line[len(name):].split()[0]
+    return rows
+
+
+def test_demo_passes_every_check_and_writes_nothing_into_the_run(tmp_path):
+    result = _preflight(tmp_path / "run")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert _rows(result.stdout) == {name: "pass" for name in CHECKS} | {"peak memory": "n/a"}
+    assert "projected" in result.stdout
+    assert not (tmp_path / "run").exists()  # a scratch folder, never the real run's checkpoints or MLflow store
+
+
+def test_the_paper_preset_fails_the_trust_region_check(tmp_path):
+    result = _preflight(tmp_path / "run", "trust_region.preset=paper")
+    assert result.returncode == 1
+    assert _rows(result.stdout)["trust region acts"] == "FAIL"
+    assert result.stdout.strip().splitlines()[-1].startswith("preflight: trust region acts failed:")
+
+
+def test_a_config_error_is_one_line_before_anything_runs(tmp_path):
+    result = _preflight(tmp_path / "run", "sde.steps=0")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "sde.steps" in result.stderr
