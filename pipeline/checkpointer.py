@@ -22,6 +22,7 @@ import torch
 
 from core import distributed
 from core.errors import UserError
+from core.safe_load import load_engine_checkpoint
 from core.storage import load_torch
 from pipeline.config import RunConfig
 
@@ -117,8 +118,9 @@ class Checkpointer:
             shutil.rmtree(local, ignore_errors=True)
             self.store.download(step, local)  # verifies every file's size and sha256 before anything loads it
         distributed.barrier()
-        # DeepSpeed's own loader reads its files (verified above); everything of ours loads with weights_only=True.
-        self.engine.load_checkpoint(str(local), tag=ENGINE_TAG, load_module_strict=True)
+        # A checkpoint is data: DeepSpeed's files load with weights_only forced (core.safe_load), ours with
+        # weights_only=True, after every file's sha256 was verified against the manifest.
+        load_engine_checkpoint(self.engine, local, ENGINE_TAG, load_module_strict=True)
         saved = load_torch(self._rank_file(local))
         for name, state in self.states.items():
             state.load_state_dict(saved[name])
