@@ -1,9 +1,12 @@
 """The ``remote`` reward: scores from a reward server (``sagegrpo serve-reward``), so a large reward model can run
 on its own GPUs while training runs elsewhere.
 
-Requests go out ``batch_size`` videos at a time. Connection errors, read timeouts and 5xx answers are retried by
-urllib3's ``Retry`` with exponential backoff; once retries are spent the reward raises ``RewardUnavailable`` and
-the scorer scores those samples None (dropped from their groups) instead of stopping training.
+Requests go out ``batch_size`` videos at a time, halved further when a request would exceed the body limit the
+server states on ``/health``. Connection errors, read timeouts and 5xx answers (503: the server is busy or a reward
+timed out) are retried by urllib3's ``Retry`` with exponential backoff; once retries are spent the reward raises
+``RewardUnavailable`` and the scorer scores those samples None (dropped from their groups) instead of stopping
+training. A server that requires a token gets it from ``token_env`` (an environment variable's name) or
+``token_file``; the token itself never appears in a config, a log line or an error.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.util import Retry
 
+from ..secrets import mask_uri, read_secret
 from .base import RewardUnavailable, Scores, VideoBatch, join_batches
 from .wire import CONTENT_TYPE, decode_response, encode_request
 
@@ -22,7 +26,7 @@ class RemoteReward:
     """Calls ``POST {url}/score``; reports whatever dimensions the server's rewards report."""
 
     def __init__(self, url: str, timeout: float = 300.0, retries: int = 3, batch_size: int = 8,
-                 backoff: float = 0.5):
+                 backoff: float = 0.5, token_env: str | None = None, token_file: str | None = None):
         if batch_size < 1 or retries < 0 or timeout <= 0:
             raise ValueError("remote reward needs batch_size >= 1, retries >= 0 and timeout > 0")
         self.url, self.timeout, self.retries, self.batch_size = url.rstrip("/"), timeout, retries, batch_size
@@ -32,18 +36,48 @@ class RemoteReward:
         self.session = requests.Session()
         self.session.mount("http://", HTTPAdapter(max_retries=retry))
         self.session.mount("https://", HTTPAdapter(max_retries=retry))
+        token = read_secret(token_env, token_file, what="remote reward token")
+        if token is not None:
+            self.session.headers["Authorization"] = f"Bearer {token}"
+        self._max_body: int | None = None
+        self._shown_url = mask_uri(self.url)  # for messages: a URL may carry user:password
 
     def __call__(self, videos: VideoBatch, prompts: list[str]) -> Scores:
-        return join_batches([self._post(videos[start:start + self.batch_size], prompts[start:start + self.batch_size])
+        return join_batches([self._score(videos[start:start + self.batch_size],
+                                         prompts[start:start + self.batch_size])
                              for start in range(0, len(videos), self.batch_size)])
 
-    def _post(self, videos: VideoBatch, prompts: list[str]) -> Scores:
+    def _score(self, videos: VideoBatch, prompts: list[str]) -> Scores:
+        body = encode_request(videos, prompts)
+        limit = self._body_limit()
+        if limit is not None and len(body) > limit:
+            if len(videos) == 1:
+                raise RewardUnavailable(f"one video is {len(body)} bytes; reward server {self._shown_url} accepts "
+                                        f"{limit} (raise its --max-body-mb)")
+            half = len(videos) // 2
+            return join_batches([self._score(videos[:half], prompts[:half]),
+                                 self._score(videos[half:], prompts[half:])])
+        return self._post(body)
+
+    def _body_limit(self) -> int | None:
+        """The server's body limit from ``/health``, asked once; None when it does not say (an older server)."""
+        if self._max_body is None:
+            try:
+                # Outside the session: one quick try, not the POST's retries (a down server is reported there).
+                response = requests.get(f"{self.url}/health", timeout=min(self.timeout, 10.0))
+                self._max_body = int(response.json().get("max_body_bytes", 0)) if response.ok else 0
+            except (requests.RequestException, ValueError, AttributeError):
+                return None  # unreachable now: _post's retries report it; ask again next call
+        return self._max_body or None
+
+    def _post(self, body: bytes) -> Scores:
         try:
-            response = self.session.post(f"{self.url}/score", data=encode_request(videos, prompts),
-                                         headers={"Content-Type": CONTENT_TYPE}, timeout=self.timeout)
+            response = self.session.post(f"{self.url}/score", data=body, headers={"Content-Type": CONTENT_TYPE},
+                                         timeout=self.timeout)
         except requests.RequestException as error:
-            raise RewardUnavailable(f"reward server {self.url} failed after {self.retries} retries: {error}") from error
+            raise RewardUnavailable(f"reward server {self._shown_url} failed after {self.retries} retries: "
+                                    f"{mask_uri(str(error))}") from error
         if response.status_code != 200:
-            raise RewardUnavailable(f"reward server {self.url} answered {response.status_code}: "
+            raise RewardUnavailable(f"reward server {self._shown_url} answered {response.status_code}: "
                                     f"{response.text[:300]}")
         return decode_response(response.content)

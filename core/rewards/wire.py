@@ -2,6 +2,8 @@
 
 Tensors ``video_0 .. video_{B-1}`` hold the uint8 videos; the safetensors header's string metadata holds the prompts
 (JSON) and the fps. Responses are JSON ``{"dimensions": {name: [float | null]}}`` (a missing score is null).
+A request is data from a client nobody vouched for: ``decode_request`` checks every part of it and raises
+``BadRequest`` (one line) for anything that is not a well-formed batch, before any reward sees it.
 """
 
 from __future__ import annotations
@@ -9,11 +11,24 @@ from __future__ import annotations
 import json
 import struct
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors import SafetensorError
 from safetensors.torch import load, save
 
 from .base import Scores, VideoBatch
 
 CONTENT_TYPE = "application/octet-stream"
+
+
+class BadRequest(ValueError):
+    """A request body that is not a well-formed scoring batch: the client's fault, answered 400."""
+
+
+class _Metadata(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    prompts: list[str] = Field(min_length=1)
+    fps: float = Field(gt=0, allow_inf_nan=False)
 
 
 def encode_request(videos: VideoBatch, prompts: list[str]) -> bytes:
@@ -22,19 +37,36 @@ def encode_request(videos: VideoBatch, prompts: list[str]) -> bytes:
 
 
 def decode_request(body: bytes) -> tuple[VideoBatch, list[str]]:
+    try:
+        tensors = load(body)  # validates the header, dtypes, shapes and offsets against the body's length
+    except SafetensorError as error:
+        raise BadRequest(f"not a safetensors body: {error}") from None
     metadata = _metadata(body)
-    prompts = json.loads(metadata["prompts"])
-    tensors = load(body)
-    if sorted(tensors) != sorted(f"video_{index}" for index in range(len(prompts))):
-        raise ValueError(f"request holds tensors {sorted(tensors)} for {len(prompts)} prompts")
-    frames = [tensors[f"video_{index}"] for index in range(len(prompts))]
-    return VideoBatch(frames, float(metadata["fps"])), prompts
+    expected = {f"video_{index}" for index in range(len(metadata.prompts))}
+    if set(tensors) != expected:
+        raise BadRequest(f"{len(metadata.prompts)} prompts need tensors video_0..video_{len(expected) - 1}, "
+                         f"got {sorted(tensors)[:5]}{' ...' if len(tensors) > 5 else ''}")
+    frames = [tensors[f"video_{index}"] for index in range(len(metadata.prompts))]
+    if any(0 in video.shape for video in frames):
+        raise BadRequest("a video has an empty dimension")
+    try:
+        return VideoBatch(frames, metadata.fps), metadata.prompts
+    except ValueError as error:  # a video that is not uint8 [F, H, W, 3]
+        raise BadRequest(str(error)) from None
 
 
-def _metadata(body: bytes) -> dict[str, str]:
+def _metadata(body: bytes) -> _Metadata:
     # safetensors layout: an 8-byte little-endian header length, then the JSON header with "__metadata__".
+    # ``load`` accepted the body, so the header is there and is JSON; its metadata values are strings.
     (header_length,) = struct.unpack("<Q", body[:8])
-    return json.loads(body[8:8 + header_length])["__metadata__"]
+    raw = json.loads(body[8:8 + header_length]).get("__metadata__") or {}
+    try:
+        return _Metadata(prompts=json.loads(raw.get("prompts", "null")), fps=raw.get("fps"))
+    except json.JSONDecodeError:
+        raise BadRequest("metadata 'prompts' is not JSON") from None
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise BadRequest(f"metadata {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
 
 
 def encode_response(dimensions: Scores) -> bytes:
