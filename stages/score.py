@@ -98,8 +98,8 @@ class Scorer:
         self.rewards = [(spec, build_reward(spec)) for spec in specs]
         self._parameters = {spec.name: MetadataParameters.of(reward) for spec, reward in self.rewards}
         self.failures: Counter[str] = Counter()
-        # Dimensions each reward reported before: a failed call still reports them, as None.
-        self._known_dimensions: dict[str, set[str]] = {spec.name: set() for spec in specs}
+        # Dimensions each reward reported before, in its order: a failed call still reports them, as None.
+        self._known_dimensions: dict[str, dict[str, None]] = {spec.name: {} for spec in specs}
         self._executor: ThreadPoolExecutor | None = None
 
     def setup(self, device) -> None:
@@ -160,12 +160,12 @@ class Scorer:
                     for start in range(0, len(videos), size)]
         known = self._known_dimensions[spec.name]
         for _, attempt in attempts:
-            known.update(attempt.scores or {})
+            known.update(dict.fromkeys(attempt.scores or {}))
         weights = spec.effective_weights(reward, known)
         for _, attempt in attempts:
             if attempt.scores is not None:
                 self._check_weighted_dimensions(spec.name, weights, attempt.scores)
-        known.update(weights)
+        known.update(dict.fromkeys(weights))
         scores: Scores = {dimension: [None] * len(videos) for dimension in known}
         failed = [False] * len(videos)
         for start, attempt in attempts:
