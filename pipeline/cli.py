@@ -57,7 +57,7 @@ def _run(args) -> int:
     overrides = list(args.overrides)
     if args.max_iterations is not None:
         overrides.append(f"run.max_iterations={args.max_iterations}")
-    return run_command(args.config, overrides, resume=args.resume)
+    return run_command(args.config, overrides, resume=args.resume, verbosity=args.verbosity)
 
 
 def _add_eval(subparsers) -> None:
@@ -71,7 +71,7 @@ def _add_eval(subparsers) -> None:
 def _eval(args) -> int:
     from pipeline.commands import eval_command
 
-    return eval_command(args.config, list(args.overrides), args.checkpoint)
+    return eval_command(args.config, list(args.overrides), args.checkpoint, verbosity=args.verbosity)
 
 
 def _add_sample(subparsers) -> None:
@@ -88,7 +88,57 @@ def _add_sample(subparsers) -> None:
 def _sample(args) -> int:
     from pipeline.commands import sample_command
 
-    return sample_command(args.config, list(args.overrides), args.prompt, args.checkpoint, args.out, args.seed)
+    return sample_command(args.config, list(args.overrides), args.prompt, args.checkpoint, args.out, args.seed,
+                          verbosity=args.verbosity)
+
+
+def _add_config(subparsers) -> None:
+    parser = subparsers.add_parser("config", help="print the resolved, validated config (defaults filled, secrets masked)")
+    parser.add_argument("config", help="run config YAML")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    parser.set_defaults(handler=_config)
+
+
+def _config(args) -> int:
+    import yaml
+
+    from core.tracking import masked_config
+    from pipeline.config import load_run_config
+
+    print(yaml.safe_dump(masked_config(load_run_config(args.config, list(args.overrides))), sort_keys=False), end="")
+    return 0
+
+
+def _add_env(subparsers) -> None:
+    parser = subparsers.add_parser("env", help="versions and devices, for bug reports")
+    parser.set_defaults(handler=_env)
+
+
+def _env(args) -> int:
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    lines = [f"sage-grpo     {_version()}", f"python        {platform.python_version()} ({platform.platform()})"]
+    for package in ("torch", "deepspeed", "diffusers", "transformers", "peft", "mlflow", "boto3", "pydantic"):
+        try:
+            lines.append(f"{package:<13} {version(package)}")
+        except PackageNotFoundError:
+            lines.append(f"{package:<13} not installed")
+    import torch
+
+    devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    lines.append(f"cuda          {torch.version.cuda or 'none'}; devices: {', '.join(devices) or 'none (CPU)'}")
+    print("\n".join(lines))
+    return 0
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sage-grpo")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _add_preflight(subparsers) -> None:
@@ -102,7 +152,7 @@ def _add_preflight(subparsers) -> None:
 def _preflight(args) -> int:
     from pipeline.commands import preflight_command
 
-    return preflight_command(args.config, list(args.overrides))
+    return preflight_command(args.config, list(args.overrides), verbosity=args.verbosity)
 
 
 def _add_serve_reward(subparsers) -> None:
@@ -225,11 +275,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sagegrpo", description="SAGE-GRPO fine-tuning for text-to-video diffusion models")
     # The deepspeed launcher appends --local_rank; the local rank is read from LOCAL_RANK, which it also sets.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    noise = parser.add_mutually_exclusive_group()
+    noise.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=1, default=0,
+                       help="show the libraries' own logs and warnings too")
+    noise.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const=-1,
+                       help="warnings and errors only")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_run(subparsers)
     _add_eval(subparsers)
     _add_sample(subparsers)
     _add_inspect_sde(subparsers)
+    _add_config(subparsers)
+    _add_env(subparsers)
     for add in (_add_preflight, _add_serve_reward, _add_plan, _add_promote, _add_schedule):
         add(subparsers)
     return parser

@@ -3,9 +3,11 @@ summary a person reads at the end. Exit codes: 0 done, 2 user error, 75 preempte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -13,26 +15,36 @@ from core import distributed
 from pipeline.config import RunConfig, load_run_config
 
 
-def setup_logging() -> None:
-    """INFO from rank 0, warnings from the others; third-party chatter kept out of a user's terminal."""
-    level = logging.INFO if int(os.environ.get("RANK", 0)) == 0 else logging.WARNING
+# Libraries whose start-up chatter and deprecation notices are not the user's to act on (at the default verbosity).
+THIRD_PARTY = ("DeepSpeed", "deepspeed", "torch", "urllib3", "alembic", "mlflow", "diffusers", "transformers",
+               "botocore", "peft", "huggingface_hub")
+
+
+def setup_logging(verbosity: int = 0) -> None:
+    """INFO from rank 0, warnings from the others. At verbosity 0 the libraries above log warnings only and their own
+    Python warnings are hidden; a user's reward package keeps its warnings. ``-v`` shows everything, ``-q`` only
+    warnings and errors from the pipeline too."""
+    main_level = logging.INFO if verbosity >= 0 else logging.WARNING
+    level = main_level if int(os.environ.get("RANK", 0)) == 0 else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "urllib3", "alembic", "mlflow", "diffusers",
-                  "transformers", "botocore"):
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if verbosity > 0:
+        return
+    for noisy in THIRD_PARTY:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
     diffusers_logging.set_verbosity_error()
     transformers_logging.set_verbosity_error()
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    modules = "|".join(name.lower() for name in THIRD_PARTY)
+    for category in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=rf"({modules})(\.|$)")
 
 
-def run_command(config_path: str, overrides: list[str], *, resume: str | None) -> int:
+def run_command(config_path: str, overrides: list[str], *, resume: str | None, verbosity: int = 0) -> int:
     config = load_run_config(config_path, overrides)
-    setup_logging()
+    setup_logging(verbosity)
     from pipeline.recipe import SageGRPORecipe
 
     recipe = SageGRPORecipe(config)
@@ -64,25 +76,29 @@ def _summary_text(config: RunConfig, summary) -> str:
     return "\n".join(lines)
 
 
-def eval_command(config_path: str, overrides: list[str], checkpoint: str) -> int:
-    recipe = _recipe_with_policy(config_path, overrides, checkpoint)
-    metrics = recipe.evaluate()
+def eval_command(config_path: str, overrides: list[str], checkpoint: str, verbosity: int = 0) -> int:
+    """Prints the metrics as JSON, the only thing on stdout (libraries' start-up prints go to stderr), so
+    ``sagegrpo eval ... | jq`` works."""
+    with contextlib.redirect_stdout(sys.stderr):
+        metrics = _recipe_with_policy(config_path, overrides, checkpoint, verbosity).evaluate()
     if distributed.is_main():
         print(json.dumps(metrics, indent=2, sort_keys=True))
     return 0
 
 
 def sample_command(config_path: str, overrides: list[str], prompts: list[str], checkpoint: str | None, out: str,
-                   seed: int) -> int:
-    recipe = _recipe_with_policy(config_path, overrides, checkpoint)
-    for path, prompt in zip(recipe.sample(prompts, seed, Path(out)), prompts):
+                   seed: int, verbosity: int = 0) -> int:
+    """Prints one ``path<TAB>prompt`` line per video, the only thing on stdout."""
+    with contextlib.redirect_stdout(sys.stderr):
+        paths = _recipe_with_policy(config_path, overrides, checkpoint, verbosity).sample(prompts, seed, Path(out))
+    for path, prompt in zip(paths, prompts):
         print(f"{path}\t{prompt}")
     return 0
 
 
-def _recipe_with_policy(config_path: str, overrides: list[str], checkpoint: str | None):
+def _recipe_with_policy(config_path: str, overrides: list[str], checkpoint: str | None, verbosity: int):
     config = load_run_config(config_path, overrides)
-    setup_logging()
+    setup_logging(verbosity)
     from pipeline.recipe import SageGRPORecipe
 
     recipe = SageGRPORecipe(config)
@@ -90,13 +106,14 @@ def _recipe_with_policy(config_path: str, overrides: list[str], checkpoint: str 
     return recipe
 
 
-def preflight_command(config_path: str, overrides: list[str]) -> int:
+def preflight_command(config_path: str, overrides: list[str], verbosity: int = 0) -> int:
     """Exit 0 when every check passes, 1 otherwise (the failed checks are the last lines of the table)."""
     load_run_config(config_path, overrides)  # a config error is one line before anything is built
-    setup_logging()
+    setup_logging(verbosity)
     from pipeline.preflight import preflight, table
 
-    checks = preflight(config_path, overrides)
+    with contextlib.redirect_stdout(sys.stderr):
+        checks = preflight(config_path, overrides)
     if distributed.is_main():
         print(table(checks), flush=True)
     return 1 if any(check.passed is False for check in checks) else 0

@@ -1,0 +1,70 @@
+"""The command line's basics: version, fast help, options and overrides in any order, the resolved config, env."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from core.errors import UserError
+from pipeline import cli
+
+pytestmark = pytest.mark.unit
+
+DEMO = "configs/demo.yaml"
+
+
+def test_version_names_the_installed_distribution(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["--version"])
+    assert stopped.value.code == 0
+    assert capsys.readouterr().out.strip() == f"sagegrpo {cli._version()}"
+
+
+def test_help_imports_neither_torch_nor_mlflow():
+    probe = "import sys; from pipeline import cli; cli.build_parser(); print(sorted({'torch', 'mlflow', " \
+            "'deepspeed'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", DEMO, "--max-iterations", "4", "seed=3"],
+    ["run", DEMO, "seed=3", "--max-iterations", "4"],
+    ["run", "--max-iterations", "4", DEMO, "seed=3"],
+])
+def test_options_and_overrides_in_any_order(argv):
+    args = cli.parse_args(argv)
+    assert (args.config, args.max_iterations, args.overrides) == (DEMO, 4, ["seed=3"])
+
+
+def test_unknown_flags_and_overrides_on_commands_without_them_are_refused():
+    with pytest.raises(UserError, match="unrecognized arguments: --nope"):
+        cli.parse_args(["run", DEMO, "--nope"])
+    with pytest.raises(UserError, match="unrecognized arguments: seed=3"):
+        cli.parse_args(["promote", "--model", "m", "seed=3"])
+
+
+def test_config_prints_the_validated_config_with_defaults_and_masked_secrets(capsys):
+    uri = "http://alice:hunter2@mlflow.internal:5000"
+    assert cli.main(["config", DEMO, "run.max_iterations=3", f"tracking.tracking_uri={uri}"]) == 0
+    out = capsys.readouterr().out
+    resolved = yaml.safe_load(out)
+    assert resolved["run"]["max_iterations"] == 3
+    assert resolved["update"]["micro_batch_size"] == 4           # from the YAML
+    assert "clip_range" in resolved["update"]                   # a default the YAML never names
+    assert "hunter2" not in out and "mlflow.internal" in out
+
+
+def test_config_errors_are_one_line_exit_2(capsys):
+    assert cli.main(["config", DEMO, "sde.steps=0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sde.steps" in err
+
+
+def test_env_reports_versions_and_devices(capsys):
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    import torch
+
+    assert f"torch         {torch.__version__}" in out and "devices:" in out
