@@ -1,4 +1,9 @@
-"""YAML + ``key.sub=value`` overrides into a pydantic model, with one-line errors that name the key."""
+"""YAML + ``key.sub=value`` overrides into a pydantic model, with one-line errors that name the key.
+
+YAML anchors and aliases are allowed (they keep a config short), but not without bound: an alias names a node
+without copying it, so a 1 KB file of nested aliases (an "alias bomb") loads as a small object that expands to
+gigabytes when the config is saved or logged. Everything read here is refused past ``MAX_EXPANDED_SIZE``.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,50 @@ from core.errors import UserError
 
 Model = TypeVar("Model", bound=BaseModel)
 
+# Nodes plus scalar characters once every alias is expanded. Real configs are a few thousand; 10 MB of text is far
+# past any of them and far below what hurts.
+MAX_EXPANDED_SIZE = 10_000_000
+
+
+def safe_load(text: str, source: str) -> object:
+    """``yaml.safe_load`` refusing documents whose aliases expand past ``MAX_EXPANDED_SIZE`` (or refer to
+    themselves), and nesting too deep to load, each as a one-line UserError."""
+    try:
+        data = yaml.safe_load(text)
+        size = _expanded_size(data, memo={}, open_nodes=set())
+    except RecursionError:
+        raise UserError(f"{source}: YAML nested too deeply") from None
+    except _SelfReference:
+        raise UserError(f"{source}: a YAML alias refers to a node that contains it") from None
+    if size > MAX_EXPANDED_SIZE:
+        raise UserError(f"{source}: YAML aliases expand to more than {MAX_EXPANDED_SIZE:,} nodes and characters "
+                        "(an alias bomb?); write the values out")
+    return data
+
+
+class _SelfReference(Exception):
+    pass
+
+
+def _expanded_size(node: object, memo: dict[int, int], open_nodes: set[int]) -> int:
+    # Memoised by identity: an aliased node is measured once however many aliases point at it, so measuring a bomb
+    # costs as little as loading it.
+    if isinstance(node, dict):
+        children = [*node.keys(), *node.values()]
+    elif isinstance(node, list):
+        children = node
+    else:
+        return max(1, len(node)) if isinstance(node, str) else 1
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    if key in open_nodes:
+        raise _SelfReference
+    open_nodes.add(key)
+    memo[key] = 1 + sum(_expanded_size(child, memo, open_nodes) for child in children)
+    open_nodes.discard(key)
+    return memo[key]
+
 
 def parse_override(text: str) -> tuple[list[str], object]:
     """``a.b=1`` -> (["a", "b"], 1). The value is parsed as YAML, so numbers, booleans and lists keep their type."""
@@ -19,7 +68,7 @@ def parse_override(text: str) -> tuple[list[str], object]:
     if not sep or not key or any(not part for part in key.split(".")):
         raise UserError(f"override {text!r} is not of the form key.sub=value")
     try:
-        value = yaml.safe_load(raw) if raw else ""
+        value = safe_load(raw, f"override {key}") if raw else ""
     except yaml.YAMLError:
         value = raw
     return key.split("."), value
@@ -43,7 +92,7 @@ def read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise UserError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = safe_load(path.read_text(), str(path)) or {}
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
