@@ -2,61 +2,107 @@
 
 Layout under a root::
 
+    <root>/owner.json               the run that owns this root (claimed on its first commit)
     <root>/step-N/<files>           everything the pipeline staged for step N
-    <root>/step-N/manifest.json     written last: path, size and sha256 of every file, world size, config hash
+    <root>/step-N/manifest.json     written last: path, size and sha256 of every file, world size, config hash, run
     <root>/latest                   "N\\n", moved only after step N's manifest exists
+    <root>/set-aside-step-N-<time>  a step that failed verification or another run wrote, moved aside, never deleted
 
 A step counts as committed only when its manifest exists, so a crash at any point of a commit leaves either the
 previous state or a complete checkpoint, never a committed-but-broken one. This is the fix for DeepSpeed writing its
-own ``latest`` before every rank has finished: the pipeline lets all ranks write into a local staging directory,
-waits for them, and only then calls :meth:`CheckpointStore.commit` once.
+own ``latest`` before every rank has finished. Two ways to commit:
+
+- one folder all ranks wrote (a node-local disk for one node, shared storage for several):
+  :meth:`CheckpointStore.commit` once, after a barrier;
+- no shared filesystem (several nodes): the committer calls :meth:`~CheckpointStore.begin_step`, every rank
+  :meth:`~CheckpointStore.upload_rank_files` for its own files (hashed locally, so nothing is read back), and after
+  a gather of what each rank reported the committer calls :meth:`~CheckpointStore.commit_manifest`, which checks that
+  every rank reported and every file is in the store with its size before it writes the manifest.
+
+Ownership: a root belongs to one run. The first commit claims it (``owner.json``, created atomically: a link on local
+disks, a conditional ``If-None-Match: *`` put on S3); another run committing there is refused with one line, unless it
+explicitly takes the root over (a fresh start). Pruning only ever deletes steps the pruning run wrote, never one that
+failed verification, and a commit over such a step moves the old one aside first.
+
+Outages: botocore retries each request; a commit additionally retries as a whole, with backoff, for
+``outage_retry_s``, then raises :class:`core.errors.StoreUnavailable` (exit 75: restart and resume). The caller keeps
+its local staging. Reads (resolve, verify, download) raise StoreUnavailable at once after botocore's retries: an
+unreachable store is never mistaken for a broken checkpoint.
 
 Security: credentials come only from boto3's standard chain (environment, shared config and profiles, web identity,
-instance metadata); they are not part of :class:`CheckpointConfig` and are never logged. Log lines name the
-checkpoint root and steps only, never the endpoint URL (which may carry userinfo). Manifest paths are untrusted
-input: any that could leave the checkpoint (``..``, absolute paths) are rejected, and :func:`load_torch` never
-unpickles arbitrary objects.
+instance metadata); they are not part of :class:`CheckpointConfig` and are never logged. Every error message and
+log line from this module passes through :func:`core.secrets.mask_uri`, so an endpoint URL carrying ``user:pass@``
+(botocore puts the URL in its connection errors) is masked. Storage URIs with ``.``, ``..`` or empty segments are
+refused (S3 would store them as literal key names). Manifest paths are untrusted input: any that could leave the
+checkpoint (``..``, absolute paths) are rejected, and :func:`load_torch` never unpickles arbitrary objects (DeepSpeed's
+own files load through :mod:`core.safe_load`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import logging
 import os
 import re
 import shutil
+import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 from urllib.parse import unquote, urlparse
 
 import boto3
 import torch
 from boto3.s3.transfer import TransferConfig, create_transfer_manager
 from botocore.config import Config as BotoConfig
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError
+from botocore.exceptions import ConnectionError as BotoConnectionError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from s3transfer.exceptions import RetriesExceededError
 from safetensors.torch import load_file
 
-from core.errors import UserError
+from core.errors import StoreUnavailable, UserError
+from core.secrets import mask_uri
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
+OWNER_NAME = "owner.json"
+SET_ASIDE = "set-aside-"
 MiB = 1024 * 1024
 _HASH_CHUNK = 8 * MiB
 # Only canonical names: "step-007" would name step 7 but live at a different path than step_dir(7).
 _STEP_NAME = re.compile(r"step-(0|[1-9][0-9]*)")
+# S3's rules for new bucket names; also keeps userinfo ("key:secret@bucket") out of a bucket name.
+_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+# What a remote store can raise; each is translated to StoreUnavailable or StorageError before it leaves the store.
+_REMOTE_ERRORS = (BotoCoreError, ClientError, RetriesExceededError)
 # What a failed delete can raise; pruning logs these instead of stopping a training run.
-_STORAGE_ERRORS = (OSError, BotoCoreError, ClientError)
+_STORAGE_ERRORS = (OSError, *_REMOTE_ERRORS)
+# Answers that mean "not now" rather than "no": retrying (or restarting the run later) can succeed.
+_OUTAGE_CODES = {"NoSuchBucket", "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
+                 "ThrottlingException", "RequestLimitExceeded"}
+_RETRY_FIRST_DELAY_S = 1.0
+_RETRY_MAX_DELAY_S = 30.0
+
+T = TypeVar("T")
 
 
 class CheckpointError(UserError):
     """A checkpoint is missing, not committed, fails verification, or names paths outside itself."""
+
+
+class StorageError(UserError):
+    """The store refused a request for a reason retrying cannot cure (access denied, no credentials)."""
+
+
+class RootClaimedError(UserError):
+    """The checkpoint root belongs to another run."""
 
 
 def step_dir(step: int) -> str:
@@ -101,6 +147,7 @@ class Manifest(BaseModel):
     created: datetime
     files: tuple[FileEntry, ...]
     extra: dict[str, Any] = {}
+    run_id: str | None = None  # the run that wrote the step; None in manifests from before roots were owned
 
     @classmethod
     def parse(cls, data: bytes, where: str) -> Manifest:
@@ -135,6 +182,8 @@ class CheckpointConfig(BaseModel):
     multipart_threshold_bytes: int = Field(64 * MiB, gt=0)
     multipart_chunksize_bytes: int = Field(64 * MiB, gt=0)
     max_concurrency: int = Field(8, ge=1)
+    # How long a commit keeps retrying through an outage (after botocore's own retries) before StoreUnavailable.
+    outage_retry_s: float = Field(300.0, ge=0)
 
     @field_validator("uri")
     @classmethod
@@ -146,15 +195,26 @@ class CheckpointConfig(BaseModel):
                 raise ValueError(str(error)) from None  # pydantic reports ValueErrors with the key's name
         return uri
 
+    @field_validator("endpoint_url")
+    @classmethod
+    def _http_endpoint(cls, url: str | None) -> str | None:
+        if url is not None:
+            parsed = urlparse(url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                raise ValueError(f"{mask_uri(url)!r} is not an http(s) URL with a host")
+        return url
+
     def build(self, output_dir: str | Path | None = None) -> CheckpointStore:
         """The store at ``uri``, or at ``<output_dir>/checkpoints`` when ``uri`` is not set."""
         if self.uri is None and output_dir is None:
             raise UserError("checkpoint.uri is not set and no output directory was given")
         uri = self.uri if self.uri is not None else str(Path(output_dir) / "checkpoints")
         if uri.startswith("s3://"):
-            bucket, _, prefix = uri[len("s3://"):].partition("/")
-            return CheckpointStore(S3Backend(self._s3_client(), bucket, prefix.strip("/"), self._transfer_config()))
-        return CheckpointStore(LocalBackend(_local_path(uri)))
+            bucket, _, prefix = _canonical_location(uri)[len("s3://"):].partition("/")
+            backend = S3Backend(self._s3_client(), bucket, prefix, self._transfer_config())
+        else:
+            backend = LocalBackend(_local_path(uri))
+        return CheckpointStore(backend, outage_retry_s=self.outage_retry_s)
 
     def _s3_client(self):
         config = BotoConfig(
@@ -182,20 +242,34 @@ def _local_path(location: str) -> Path:
     parsed = urlparse(location)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
-            raise UserError(f"{location!r}: file:// URIs must name a local path (file:///abs/path)")
+            raise UserError(f"{mask_uri(location)!r}: file:// URIs must name a local path (file:///abs/path)")
+        _check_segments(location, unquote(parsed.path).lstrip("/"))
         return Path(unquote(parsed.path)).resolve()
     if parsed.scheme:
-        raise UserError(f"{location!r}: storage roots are local paths, file:// or s3:// URIs")
+        raise UserError(f"{mask_uri(location)!r}: storage roots are local paths, file:// or s3:// URIs")
+    # A plain path means what the operating system says it means: resolve() normalises "." and "..".
     return Path(location).expanduser().resolve()
 
 
 def _canonical_location(location: str) -> str:
     """The form a backend's ``uri`` takes, so that a resume URI can be compared with a root."""
     if location.startswith("s3://"):
-        if not location[len("s3://"):].partition("/")[0]:
-            raise UserError(f"{location!r} names no bucket")
-        return "s3://" + location[len("s3://"):].strip("/")
+        bucket, _, prefix = location[len("s3://"):].partition("/")
+        if not bucket:
+            raise UserError(f"{mask_uri(location)!r} names no bucket")
+        if not _BUCKET_NAME.fullmatch(bucket):
+            raise UserError(f"{mask_uri(location)!r} does not name a valid S3 bucket")
+        _check_segments(location, prefix)
+        return f"s3://{bucket}/{prefix.rstrip('/')}" if prefix.rstrip("/") else f"s3://{bucket}"
     return str(_local_path(location))
+
+
+def _check_segments(location: str, path: str) -> None:
+    """Refuse ".", ".." and empty segments: S3 stores them as literal key names (``s3://b/../x`` is not ``s3://x``),
+    so a URI that looks like another location would silently be a different one. One trailing slash is fine."""
+    segments = path.removesuffix("/").split("/") if path.removesuffix("/") else []
+    if any(segment in ("", ".", "..") for segment in segments):
+        raise UserError(f"{mask_uri(location)!r}: '.', '..' and empty path segments are not allowed in a storage URI")
 
 
 class StorageBackend(Protocol):
@@ -212,8 +286,14 @@ class StorageBackend(Protocol):
     def child_dirs(self) -> list[str]: ...
     def delete_key(self, key: str) -> None: ...
     def delete_tree(self, prefix: str) -> None: ...
-    # Yields the key prefix that step N's files and manifest go under; a clean exit makes them step-N.
-    def staged_step(self, step: int) -> AbstractContextManager[str]: ...
+    def move_tree(self, prefix: str, target: str) -> None: ...
+    # Writes ``key`` only if it does not exist, atomically; False when it already did.
+    def create_exclusive(self, key: str, data: bytes) -> bool: ...
+    # The key prefix step N's files and manifest are assembled under, by every rank; seal_step makes it step-N.
+    def incoming(self, step: int) -> str: ...
+    def open_step(self, step: int) -> None: ...
+    def seal_step(self, step: int) -> None: ...
+    def abandon_step(self, step: int) -> None: ...
 
 
 class LocalBackend:
@@ -260,17 +340,39 @@ class LocalBackend:
     def delete_tree(self, prefix: str) -> None:
         shutil.rmtree(self.root / prefix)
 
-    @contextmanager
-    def staged_step(self, step: int) -> Iterator[str]:
-        staging = f".staging-{step_dir(step)}-{uuid.uuid4().hex}"
-        (self.root / staging).mkdir(parents=True)
+    def move_tree(self, prefix: str, target: str) -> None:
+        os.replace(self.root / prefix, self.root / target)
+        _fsync_dir(self.root)
+
+    def create_exclusive(self, key: str, data: bytes) -> bool:
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         try:
-            yield staging
-        except BaseException:
-            shutil.rmtree(self.root / staging, ignore_errors=True)
-            raise
-        _fsync_dirs(self.root / staging)
-        _move_into_place(self.root / staging, self.root / step_dir(step))
+            _atomic_write(temporary, data)
+            os.link(temporary, path)  # fails if path exists: no window in which a second writer could win too
+        except FileExistsError:
+            return False
+        finally:
+            temporary.unlink(missing_ok=True)
+        _fsync_dir(path.parent)
+        return True
+
+    def incoming(self, step: int) -> str:
+        # Assembled aside and renamed into place with its manifest already inside. The name is the same for every
+        # rank (they share the filesystem when they upload here); open_step clears what a crashed attempt left.
+        return f".incoming-{step_dir(step)}"
+
+    def open_step(self, step: int) -> None:
+        shutil.rmtree(self.root / self.incoming(step), ignore_errors=True)
+        (self.root / self.incoming(step)).mkdir(parents=True)
+
+    def seal_step(self, step: int) -> None:
+        _fsync_dirs(self.root / self.incoming(step))
+        _move_into_place(self.root / self.incoming(step), self.root / step_dir(step))
+
+    def abandon_step(self, step: int) -> None:
+        shutil.rmtree(self.root / self.incoming(step), ignore_errors=True)
 
 
 class S3Backend:
@@ -341,26 +443,77 @@ class S3Backend:
             if response.get("Errors"):
                 raise OSError(f"could not delete {len(response['Errors'])} objects under {self.uri}/{prefix}")
 
-    @contextmanager
-    def staged_step(self, step: int) -> Iterator[str]:
-        # S3 has no rename, so files go straight to their final keys. Removing an older manifest of this step first
-        # means a re-commit never shows that manifest beside half-overwritten files. A failed commit leaves objects
-        # without a manifest, which never count; the transfer manager aborts its own unfinished multipart uploads,
-        # and a bucket lifecycle rule (AbortIncompleteMultipartUpload) covers a killed process.
+    def move_tree(self, prefix: str, target: str) -> None:
+        # S3 has no rename: server-side copies (multipart for large objects, no bytes through this process), then
+        # the source goes, its manifest first so that it is never a committed step with missing files.
+        keys = list(self.sizes(prefix))
+        with create_transfer_manager(self._client, self._transfer_config) as manager:
+            futures = [manager.copy({"Bucket": self._bucket, "Key": self._key(f"{prefix}/{key}")}, self._bucket,
+                                    self._key(f"{target}/{key}")) for key in keys]
+            for future in futures:
+                future.result()
+        self.delete_key(f"{prefix}/{MANIFEST_NAME}")
+        self.delete_tree(prefix)
+
+    def create_exclusive(self, key: str, data: bytes) -> bool:
+        try:
+            self._client.put_object(Bucket=self._bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
+        except ClientError as error:
+            # 412: the object exists; 409: a concurrent conditional write to the same key won.
+            if error.response["Error"]["Code"] in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return False
+            raise
+        return True
+
+    def incoming(self, step: int) -> str:
+        # S3 has no rename, so files go straight to their final keys; they count only once the manifest is there.
+        return step_dir(step)
+
+    def open_step(self, step: int) -> None:
+        # Removing an older manifest of this step first means a re-commit never shows that manifest beside
+        # half-overwritten files. A failed commit leaves objects without a manifest, which never count; the transfer
+        # manager aborts its own unfinished multipart uploads, and a bucket lifecycle rule
+        # (AbortIncompleteMultipartUpload) covers a killed process.
         self.delete_key(f"{step_dir(step)}/{MANIFEST_NAME}")
-        yield step_dir(step)
+
+    def seal_step(self, step: int) -> None:
+        pass  # the manifest, written last at its final key, is the commit
+
+    def abandon_step(self, step: int) -> None:
+        pass  # objects without a manifest never count, and the next commit of this step replaces them
+
+
+def _translated(what: str):
+    """Methods of CheckpointStore raise StoreUnavailable or StorageError, never a raw botocore error."""
+
+    def decorate(method):
+        @functools.wraps(method)
+        def translating(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except _REMOTE_ERRORS as error:
+                raise self._translate(error, what) from None
+
+        return translating
+
+    return decorate
 
 
 class CheckpointStore:
     """Commit, verify, find, fetch and prune ``step-N`` checkpoints under one root. Build one with
     :meth:`CheckpointConfig.build`."""
 
-    def __init__(self, backend: StorageBackend):
+    def __init__(self, backend: StorageBackend, *, outage_retry_s: float = 300.0):
         self.backend = backend
+        self.outage_retry_s = outage_retry_s
+        # Steps that failed verification in this process: never pruned, moved aside (not replaced) by a commit.
+        self._failed: set[int] = set()
 
     @property
     def uri(self) -> str:
         return self.backend.uri
+
+    # --- Committing ----------------------------------------------------------------------------------------------
 
     def commit(
         self,
@@ -370,30 +523,109 @@ class CheckpointStore:
         world_size: int,
         config_hash: str,
         extra: Mapping[str, Any] | None = None,
+        run_id: str | None = None,
     ) -> Manifest:
         """Copy every file under ``local_dir`` to ``step-N``, then its manifest, then move ``latest`` to ``step``.
 
         Call it once, after every rank has finished writing ``local_dir``: the hashes are taken from what is there
-        now. On any error the step stays uncommitted and ``latest`` unchanged; the error propagates.
+        now. ``run_id`` claims the root for that run (RootClaimedError when another run owns it). On any error the
+        step stays uncommitted and ``latest`` unchanged; an outage is retried for ``outage_retry_s`` and then raised
+        as StoreUnavailable. ``local_dir`` is never modified: the caller keeps it until the commit returns.
         """
         staged = _staged_files(Path(local_dir))
-        manifest = Manifest(
-            step=step,
-            world_size=world_size,
-            config_hash=config_hash,
-            created=datetime.now(timezone.utc),
-            files=tuple(_file_entry(source, relpath) for source, relpath in staged),
-            extra=dict(extra or {}),
-        )
-        with self.backend.staged_step(step) as prefix:
-            self.backend.upload_files([(source, f"{prefix}/{relpath}") for source, relpath in staged])
-            # Last: until the manifest exists, nothing treats this step as a checkpoint.
-            self.backend.write_bytes(f"{prefix}/{MANIFEST_NAME}", manifest.model_dump_json(indent=1).encode())
-        self.backend.write_bytes(LATEST_NAME, f"{step}\n".encode())
-        total = sum(entry.size for entry in manifest.files)
-        logger.info("committed %s/%s: %d files, %d bytes", self.uri, step_dir(step), len(manifest.files), total)
-        return manifest
+        entries = [_file_entry(source, relpath) for source, relpath in staged]
 
+        def attempt() -> Manifest:
+            self._begin(step, run_id)  # outside the try: a refused claim must not clean up the owner's staging
+            try:
+                self._upload(step, staged)
+                return self._seal(step, entries, world_size=world_size, config_hash=config_hash, extra=extra,
+                                  run_id=run_id)
+            except BaseException:
+                self.backend.abandon_step(step)
+                raise
+
+        return self._retrying(f"committing {step_dir(step)}", attempt)
+
+    def begin_step(self, step: int, *, run_id: str | None = None) -> None:
+        """Per-rank commits, first call (committer only, before any rank uploads): claim the root for ``run_id``,
+        move aside a ``step-N`` that failed verification or another run wrote, and uncommit ``step-N``."""
+        self._retrying(f"opening {step_dir(step)}", lambda: self._begin(step, run_id))
+
+    def upload_rank_files(self, step: int, rank: int, local_dir: str | Path) -> list[FileEntry]:
+        """Per-rank commits, every rank, after :meth:`begin_step`: upload the files under ``local_dir`` (paths
+        relative to it, unique across ranks) into step N; return their entries for :meth:`commit_manifest`."""
+        staged = _staged_files(Path(local_dir))
+        entries = [_file_entry(source, relpath) for source, relpath in staged]
+        self._retrying(f"uploading rank {rank}'s files of {step_dir(step)}", lambda: self._upload(step, staged))
+        return entries
+
+    def commit_manifest(
+        self,
+        step: int,
+        rank_files: Mapping[int, Sequence[FileEntry]],
+        *,
+        world_size: int,
+        config_hash: str,
+        extra: Mapping[str, Any] | None = None,
+        run_id: str | None = None,
+    ) -> Manifest:
+        """Per-rank commits, committer, after every rank's :meth:`upload_rank_files` returned: check that ranks
+        ``0..world_size-1`` all reported, that no path was reported twice and that every file is in the store with
+        its reported size; then write the manifest (sizes and sha256 as the ranks hashed them) and move ``latest``."""
+        missing = sorted(set(range(world_size)) - set(rank_files))
+        if missing:
+            raise CheckpointError(f"{self.uri}/{step_dir(step)}: no files reported by rank(s) {missing}")
+        owners: dict[str, int] = {}
+        for rank, entries in sorted(rank_files.items()):
+            for entry in entries:
+                if entry.path in owners:
+                    raise CheckpointError(f"{self.uri}/{step_dir(step)}: {entry.path} reported by ranks "
+                                          f"{owners[entry.path]} and {rank}")
+                owners[entry.path] = rank
+        entries = sorted((entry for files in rank_files.values() for entry in files), key=lambda entry: entry.path)
+        return self._retrying(f"committing {step_dir(step)}", lambda: self._seal(
+            step, entries, world_size=world_size, config_hash=config_hash, extra=extra, run_id=run_id))
+
+    # --- Ownership -----------------------------------------------------------------------------------------------
+
+    @_translated("reading the owner")
+    def owner(self) -> str | None:
+        """The run id that owns this root, None before the first claim."""
+        data = self.backend.read_bytes(OWNER_NAME)
+        if data is None:
+            return None
+        try:
+            return str(json.loads(data)["run_id"])
+        except (ValueError, KeyError, TypeError):
+            raise CheckpointError(f"{self.uri}/{OWNER_NAME} is unreadable: refusing to guess which run owns "
+                                  "this checkpoint root") from None
+
+    @_translated("claiming the root")
+    def claim(self, run_id: str, *, take_over: bool = False) -> None:
+        """Make this root ``run_id``'s. Another run's root is refused with RootClaimedError unless ``take_over``
+        (a deliberate fresh start); that run's steps stay, and this run's pruning never deletes them."""
+        if not run_id:
+            raise ValueError("a run id is a non-empty string")
+        record = json.dumps({"run_id": run_id, "claimed": datetime.now(timezone.utc).isoformat()}).encode()
+        if take_over:
+            previous = self.owner() if self.backend.read_bytes(OWNER_NAME) is not None else None
+            self.backend.write_bytes(OWNER_NAME, record)
+            if previous not in (None, run_id):
+                logger.warning("%s taken over by run %s from run %s; its steps are kept", self.uri, run_id, previous)
+            return
+        created = self.backend.create_exclusive(OWNER_NAME, record)
+        # Read back even after a successful create: a store that ignores conditional writes shows the last writer.
+        owner = self.owner()
+        if owner != run_id:
+            raise RootClaimedError(f"checkpoint root {self.uri} belongs to run {owner}: give this run its own "
+                                   "checkpoint.uri, or continue that run with --resume auto")
+        if created:
+            logger.info("checkpoint root %s claimed by run %s", self.uri, run_id)
+
+    # --- Reading -------------------------------------------------------------------------------------------------
+
+    @_translated("reading a manifest")
     def read_manifest(self, step: int) -> Manifest:
         where = f"{self.uri}/{step_dir(step)}"
         data = self.backend.read_bytes(f"{step_dir(step)}/{MANIFEST_NAME}")
@@ -404,19 +636,25 @@ class CheckpointStore:
             raise CheckpointError(f"{where}: manifest says step {manifest.step}")
         return manifest
 
+    @_translated("verifying a checkpoint")
     def verify(self, step: int) -> Manifest:
         """The step's manifest if every file it lists exists with its recorded size and sha256; else CheckpointError."""
-        manifest = self.read_manifest(step)
-        prefix = step_dir(step)
-        problems = _size_problems(manifest, self.backend.sizes(prefix))
-        to_hash = [entry for entry in manifest.files if entry.path not in problems]
-        hashes = self.backend.sha256([f"{prefix}/{entry.path}" for entry in to_hash])
-        for entry in to_hash:
-            if hashes[f"{prefix}/{entry.path}"] != entry.sha256:
-                problems[entry.path] = "sha256 mismatch"
-        _raise_if_problems(f"{self.uri}/{prefix}", problems)
+        try:
+            manifest = self.read_manifest(step)
+            prefix = step_dir(step)
+            problems = _size_problems(manifest, self.backend.sizes(prefix))
+            to_hash = [entry for entry in manifest.files if entry.path not in problems]
+            hashes = self.backend.sha256([f"{prefix}/{entry.path}" for entry in to_hash])
+            for entry in to_hash:
+                if hashes[f"{prefix}/{entry.path}"] != entry.sha256:
+                    problems[entry.path] = "sha256 mismatch"
+            _raise_if_problems(f"{self.uri}/{prefix}", problems)
+        except CheckpointError:
+            self._failed.add(step)
+            raise
         return manifest
 
+    @_translated("downloading a checkpoint")
     def download(self, step: int, local_dir: str | Path) -> Manifest:
         """Fetch committed step ``step`` into ``local_dir``, checking the size and sha256 of every file fetched."""
         manifest = self.read_manifest(step)
@@ -436,12 +674,14 @@ class CheckpointStore:
         _raise_if_problems(where, problems)
         return manifest
 
+    @_translated("listing checkpoints")
     def list_steps(self) -> list[int]:
         """Committed steps (those with a manifest, not necessarily verified), oldest first."""
         names = (_STEP_NAME.fullmatch(name) for name in self.backend.child_dirs())
         steps = sorted(int(match.group(1)) for match in names if match)
         return [step for step in steps if self.backend.read_bytes(f"{step_dir(step)}/{MANIFEST_NAME}") is not None]
 
+    @_translated("reading latest")
     def latest_step(self) -> int | None:
         data = self.backend.read_bytes(LATEST_NAME)
         if data is None:
@@ -452,33 +692,97 @@ class CheckpointStore:
             logger.warning("ignoring unreadable %s/%s", self.uri, LATEST_NAME)
             return None
 
-    def resolve(self, resume: str | int) -> int | None:
+    def resolve(self, resume: str | int, *, fresh_start: bool = False) -> int | None:
         """The step to resume from.
 
-        ``"auto"``: the ``latest`` step if it verifies, else the newest older one that does (logged), else None.
+        ``"auto"``: the ``latest`` step if it verifies, else the newest older one that does (logged), else None when
+        there is no checkpoint. When checkpoints exist but every one fails verification, CheckpointError, unless
+        ``fresh_start`` (then None: the broken checkpoints are kept, never pruned).
         A step number, ``"step-N"`` or a URI of a step under this root: that step, or CheckpointError when it is
         not committed or fails verification; a requested checkpoint is never silently replaced.
         """
         if resume == "auto":
-            return self._newest_verified()
+            return self._newest_verified(fresh_start)
         step = self._requested_step(resume)
         self.verify(step)
         return step
 
-    def prune(self, *, keep_last: int, best_metric: str | None = None, higher_is_better: bool = True) -> list[int]:
+    # --- Retention -----------------------------------------------------------------------------------------------
+
+    def prune(self, *, keep_last: int, best_metric: str | None = None, higher_is_better: bool = True,
+              run_id: str | None = None) -> list[int]:
         """Delete committed steps except the last ``keep_last``, the best by ``manifest.extra[best_metric]`` and
-        ``latest``; return the deleted steps. Uncommitted (in-flight) steps are never touched, and a failed
-        deletion is logged, not raised: pruning is housekeeping and must not stop training."""
+        ``latest``; return the deleted steps. With ``run_id`` only that run's steps are considered (another run's,
+        and old manifests without a run id, are never deleted). Uncommitted (in-flight) steps, steps that failed
+        verification and steps with an unreadable manifest are never touched. A failed deletion or an unreachable
+        store is logged, not raised: pruning is housekeeping and must not stop training."""
         # The newest checkpoint can still turn out corrupt when it is read back; one older one must survive it.
         if keep_last < 2:
             raise UserError(f"keep_last must be >= 2, got {keep_last}")
-        committed = self.list_steps()
-        keep = set(committed[-keep_last:]) | {self.latest_step()}
+        try:
+            manifests = self._readable_manifests(self.list_steps())
+            ours = {step: manifest for step, manifest in manifests.items()
+                    if step not in self._failed and (run_id is None or manifest.run_id == run_id)}
+            keep = set(sorted(ours)[-keep_last:]) | {self.latest_step()}
+        except (StoreUnavailable, StorageError) as error:
+            logger.warning("not pruning %s: %s", self.uri, error)
+            return []
         if best_metric is not None:
-            keep.add(self._best_step(committed, best_metric, higher_is_better))
-        return [step for step in committed if step not in keep and self._delete_step(step)]
+            keep.add(_best_step(ours, best_metric, higher_is_better))
+        return [step for step in sorted(ours) if step not in keep and self._delete_step(step)]
 
-    def _newest_verified(self) -> int | None:
+    # --- Internals -----------------------------------------------------------------------------------------------
+
+    def _begin(self, step: int, run_id: str | None) -> None:
+        if run_id is not None:
+            self.claim(run_id)
+        self._set_aside_unless_ours(step, run_id)
+        self.backend.open_step(step)
+
+    def _upload(self, step: int, staged: Sequence[tuple[Path, str]]) -> None:
+        prefix = self.backend.incoming(step)
+        self.backend.upload_files([(source, f"{prefix}/{relpath}") for source, relpath in staged])
+
+    def _seal(self, step: int, entries: Sequence[FileEntry], *, world_size: int, config_hash: str,
+              extra: Mapping[str, Any] | None, run_id: str | None) -> Manifest:
+        prefix = self.backend.incoming(step)
+        manifest = Manifest(step=step, world_size=world_size, config_hash=config_hash,
+                            created=datetime.now(timezone.utc), files=tuple(entries), extra=dict(extra or {}),
+                            run_id=run_id)
+        present = self.backend.sizes(prefix)
+        _raise_if_problems(f"{self.uri}/{step_dir(step)} (uploaded)", _size_problems(manifest, present))
+        listed = {entry.path for entry in entries}
+        for stale in sorted(set(present) - listed - {MANIFEST_NAME}):  # left by a crashed attempt
+            self.backend.delete_key(f"{prefix}/{stale}")
+        # Last: until the manifest exists, nothing treats this step as a checkpoint.
+        self.backend.write_bytes(f"{prefix}/{MANIFEST_NAME}", manifest.model_dump_json(indent=1).encode())
+        self.backend.seal_step(step)
+        self._failed.discard(step)  # what failed is set aside; this step N is a new, complete one
+        self.backend.write_bytes(LATEST_NAME, f"{step}\n".encode())
+        total = sum(entry.size for entry in manifest.files)
+        logger.info("committed %s/%s: %d files, %d bytes", self.uri, step_dir(step), len(manifest.files), total)
+        return manifest
+
+    def _set_aside_unless_ours(self, step: int, run_id: str | None) -> None:
+        """A committed step N about to be replaced is moved aside if it failed verification or is not this run's:
+        neither may be deleted. Leftovers of an uncommitted attempt (no manifest) are simply replaced."""
+        if self.backend.read_bytes(f"{step_dir(step)}/{MANIFEST_NAME}") is None:
+            return
+        reason = "it failed verification" if step in self._failed else None
+        if reason is None:
+            try:
+                owner = self.read_manifest(step).run_id
+            except CheckpointError as error:
+                reason = str(error)
+            else:
+                if run_id is not None and owner != run_id:
+                    reason = f"run {owner} wrote it"
+        if reason is not None:
+            target = f"{SET_ASIDE}{step_dir(step)}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
+            self.backend.move_tree(step_dir(step), target)
+            logger.warning("moved %s/%s aside to %s before replacing it: %s", self.uri, step_dir(step), target, reason)
+
+    def _newest_verified(self, fresh_start: bool) -> int | None:
         pointer = self.latest_step()
         # Steps after the pointer are skipped: they are either a commit whose pointer write was lost in a crash or
         # the abandoned branch of a run that was restarted from an older step; resuming one could mix timelines.
@@ -495,7 +799,14 @@ class CheckpointStore:
             else:
                 logger.info("resuming from %s/%s", self.uri, step_dir(step))
             return step
-        logger.info("no verified checkpoint under %s; starting from scratch", self.uri)
+        if candidates and not fresh_start:
+            raise CheckpointError(f"every checkpoint under {self.uri} fails verification (steps "
+                                  f"{sorted(candidates)}); they are kept. Start over only deliberately: --fresh-start")
+        if candidates:
+            logger.warning("every checkpoint under %s fails verification; starting fresh as asked, keeping them",
+                           self.uri)
+        else:
+            logger.info("no checkpoint under %s; starting from scratch", self.uri)
         return None
 
     def _requested_step(self, resume: str | int) -> int:
@@ -508,20 +819,17 @@ class CheckpointStore:
         match = _STEP_NAME.fullmatch(name)
         if match and (not parent or _same_location(parent, self.uri)):
             return int(match.group(1))
-        raise CheckpointError(f"resume {resume!r} is not 'auto', a step number or a step-N checkpoint under {self.uri}")
+        raise CheckpointError(f"resume {mask_uri(str(resume))!r} is not 'auto', a step number or a step-N checkpoint "
+                              f"under {self.uri}")
 
-    def _best_step(self, steps: list[int], metric: str, higher_is_better: bool) -> int | None:
-        scored = {}
+    def _readable_manifests(self, steps: Sequence[int]) -> dict[int, Manifest]:
+        manifests = {}
         for step in steps:
             try:
-                value = self.read_manifest(step).extra.get(metric)
+                manifests[step] = self.read_manifest(step)
             except CheckpointError as error:
-                logger.warning("ignoring %s/%s when choosing the best checkpoint: %s", self.uri, step_dir(step), error)
-                continue
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:  # not NaN
-                scored[step] = value if higher_is_better else -value
-        # Ties go to the newer step.
-        return max(scored, key=lambda step: (scored[step], step), default=None)
+                logger.warning("leaving %s/%s alone: %s", self.uri, step_dir(step), error)
+        return manifests
 
     def _delete_step(self, step: int) -> bool:
         try:
@@ -529,10 +837,55 @@ class CheckpointStore:
             self.backend.delete_key(f"{step_dir(step)}/{MANIFEST_NAME}")
             self.backend.delete_tree(step_dir(step))
         except _STORAGE_ERRORS as error:
-            logger.warning("could not delete %s/%s: %s", self.uri, step_dir(step), error)
+            logger.warning("could not delete %s/%s: %s", self.uri, step_dir(step), _one_line(error))
             return False
         logger.info("pruned %s/%s", self.uri, step_dir(step))
         return True
+
+    def _retrying(self, what: str, action: Callable[[], T]) -> T:
+        """``action()``, repeated with backoff while the store is unreachable, for at most ``outage_retry_s``."""
+        delay, deadline = _RETRY_FIRST_DELAY_S, time.monotonic() + self.outage_retry_s
+        while True:
+            try:
+                return action()
+            except _REMOTE_ERRORS as error:
+                if not _is_outage(error) or time.monotonic() + delay > deadline:
+                    raise self._translate(error, what) from None
+                logger.warning("%s unreachable while %s (%s); retrying in %.0f s", self.uri, what, _one_line(error),
+                               delay)
+            except StoreUnavailable as error:  # from a translated read inside the action
+                if time.monotonic() + delay > deadline:
+                    raise
+                logger.warning("%s; retrying in %.0f s", error, delay)
+            time.sleep(delay)
+            delay = min(2 * delay, _RETRY_MAX_DELAY_S)
+
+    def _translate(self, error: BaseException, what: str) -> Exception:
+        if _is_outage(error):
+            return StoreUnavailable(f"checkpoint store {self.uri} unavailable while {what}: {_one_line(error)}")
+        return StorageError(f"checkpoint store {self.uri} refused {what}: {_one_line(error)}")
+
+
+def _is_outage(error: BaseException) -> bool:
+    if isinstance(error, ClientError):
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return error.response.get("Error", {}).get("Code") in _OUTAGE_CODES or status >= 500
+    return isinstance(error, (BotoConnectionError, HTTPClientError, IncompleteReadError, RetriesExceededError))
+
+
+def _one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return mask_uri(lines[0][:300]) if lines else type(error).__name__
+
+
+def _best_step(manifests: Mapping[int, Manifest], metric: str, higher_is_better: bool) -> int | None:
+    scored = {}
+    for step, manifest in manifests.items():
+        value = manifest.extra.get(metric)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:  # not NaN
+            scored[step] = value if higher_is_better else -value
+    # Ties go to the newer step.
+    return max(scored, key=lambda step: (scored[step], step), default=None)
 
 
 def load_tensors(path: str | Path, device: str = "cpu") -> dict[str, torch.Tensor]:

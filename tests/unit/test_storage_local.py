@@ -11,15 +11,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from botocore.exceptions import ClientError, EndpointConnectionError
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from core.errors import UserError
+from core.errors import StoreUnavailable, UserError
 from core.storage import (
     MANIFEST_NAME,
+    CheckpointConfig,
     CheckpointError,
     CheckpointStore,
-    CheckpointConfig,
+    RootClaimedError,
+    StorageError,
+    _file_entry,
     load_tensors,
     load_torch,
 )
@@ -123,10 +127,7 @@ def test_corruption_is_an_error_when_requested_and_skipped_by_auto(tmp_path, roo
     assert "step-1" in caplog.text
 
 
-def test_auto_is_none_without_a_verified_checkpoint(tmp_path, root, store):
-    assert store.resolve("auto") is None
-    commit_step(store, tmp_path, 1)
-    flip_byte(root / "step-1" / SHARD)
+def test_auto_is_none_without_a_checkpoint(store):
     assert store.resolve("auto") is None
 
 
@@ -285,3 +286,217 @@ def test_load_torch_reads_tensors_but_never_arbitrary_objects(tmp_path):
     torch.save({"payload": Payload()}, tmp_path / "evil.pt")
     with pytest.raises(pickle.UnpicklingError):
         load_torch(tmp_path / "evil.pt")
+
+
+# --- Storage URIs ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("uri", ["s3://ckpt/../evil/run2", "s3://ckpt/a/./b//c", "s3://ckpt//run", "s3://ckpt/a/..",
+                                 "file:///data/../etc/run", "file:///data/./run", "s3://KEY:SECRET@ckpt/run"])
+def test_uris_with_dot_dotdot_or_empty_segments_are_refused_at_config_time(uri):
+    with pytest.raises(ValidationError) as refused:
+        CheckpointConfig(uri=uri)
+    assert "SECRET" not in refused.value.errors()[0]["msg"]  # what the CLI prints (core.config_loading.one_line)
+
+
+@pytest.mark.parametrize("uri", ["s3://ckpt/runs/a/", "s3://ckpt", "s3://ckpt.example-1/a.b/c..d/.hidden"])
+def test_ordinary_s3_uris_are_accepted(uri):
+    assert CheckpointConfig(uri=uri).uri == uri
+
+
+def test_an_endpoint_url_is_an_http_url_and_refusals_mask_its_credentials():
+    with pytest.raises(ValidationError) as refused:
+        CheckpointConfig(endpoint_url="ftp://KEY:SECRET@minio:9000")
+    assert "SECRET" not in str(refused.value.errors()[0]["msg"])
+    assert CheckpointConfig(endpoint_url="http://minio:9000").endpoint_url == "http://minio:9000"
+
+
+# --- Outages -----------------------------------------------------------------------------------------------------
+
+
+def unreachable_endpoint(store, monkeypatch) -> list[int]:
+    """Every upload fails the way botocore reports a dead endpoint (after its own retries): with the URL."""
+    calls = []
+
+    def failing_upload(files):
+        calls.append(len(files))
+        raise EndpointConnectionError(endpoint_url="http://AKIAKEY:TOPSECRET@minio.internal:9000/ckpt/step-2/x")
+
+    monkeypatch.setattr(store.backend, "upload_files", failing_upload)
+    clock = [1000.0]  # a fake clock that only sleeping advances
+    monkeypatch.setattr("core.storage.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("core.storage.time.sleep", lambda seconds: clock.__setitem__(0, clock[0] + seconds))
+    return calls
+
+
+def test_an_outage_is_retried_within_a_bound_then_store_unavailable_with_credentials_masked(
+        tmp_path, root, monkeypatch, caplog):
+    store = CheckpointConfig(uri=str(root), outage_retry_s=10).build()
+    commit_step(store, tmp_path, 1)
+    calls = unreachable_endpoint(store, monkeypatch)
+    staged = stage_checkpoint(tmp_path / "staging-2", seed=2)
+
+    with caplog.at_level(logging.DEBUG), pytest.raises(StoreUnavailable) as unavailable:
+        store.commit(staged, 2, world_size=2, config_hash="cfg-abc")
+
+    assert len(calls) == 4  # tried, then retried after 1, 2 and 4 s; the next wait (8 s) would pass the 10 s bound
+    message = str(unavailable.value)
+    assert "\n" not in message and "TOPSECRET" not in message and "***@minio.internal" in message
+    assert "TOPSECRET" not in caplog.text and "retrying" in caplog.text
+    assert unavailable.value.exit_code == 75 and not isinstance(unavailable.value, UserError)
+    assert same_tree(staged, stage_checkpoint(tmp_path / "again", seed=2))  # the staging is kept as it was
+    assert store.latest_step() == 1 and store.list_steps() == [1]
+
+
+def test_a_refusal_is_not_retried(tmp_path, store, monkeypatch):
+    calls = []
+
+    def denied(files):
+        calls.append(1)
+        raise ClientError({"Error": {"Code": "AccessDenied", "Message": "Access Denied"},
+                           "ResponseMetadata": {"HTTPStatusCode": 403}}, "PutObject")
+
+    monkeypatch.setattr(store.backend, "upload_files", denied)
+    with pytest.raises(StorageError, match="AccessDenied"):
+        commit_step(store, tmp_path, 1)
+    assert calls == [1]
+
+
+# --- Every checkpoint broken -------------------------------------------------------------------------------------
+
+
+def test_auto_refuses_when_every_checkpoint_fails_verification_unless_fresh_start(tmp_path, root, store):
+    for step in (1, 2, 3):
+        commit_step(store, tmp_path, step)
+    for step in (1, 2, 3):
+        flip_byte(root / f"step-{step}" / SHARD)
+    broken = {step: (root / f"step-{step}" / SHARD).read_bytes() for step in (1, 2, 3)}
+
+    with pytest.raises(CheckpointError, match="every checkpoint") as refused:
+        store.resolve("auto")
+    assert "\n" not in str(refused.value)
+    assert store.resolve("auto", fresh_start=True) is None
+
+    # The fresh run commits steps 1..5 with keep_last=2: the broken ones are neither pruned nor overwritten.
+    store.claim("fresh-run", take_over=True)
+    for step in range(1, 6):
+        store.commit(stage_checkpoint(tmp_path / f"fresh-{step}", seed=100 + step), step, world_size=2,
+                     config_hash="c", run_id="fresh-run")
+        store.prune(keep_last=2, run_id="fresh-run")
+    assert store.list_steps() == [4, 5]
+    set_aside = sorted(path.name for path in root.iterdir() if path.name.startswith("set-aside-"))
+    assert [name.split("-")[3] for name in set_aside] == ["1", "2", "3"]
+    for name in set_aside:
+        assert (root / name / SHARD).read_bytes() == broken[int(name.split("-")[3])]
+
+
+def test_prune_never_deletes_a_step_that_failed_verification(tmp_path, root, store):
+    for step in range(1, 6):
+        commit_step(store, tmp_path, step)
+    flip_byte(root / "step-2" / SHARD)
+    with pytest.raises(CheckpointError):
+        store.resolve(2)
+    assert store.prune(keep_last=2) == [1, 3]
+    assert store.list_steps() == [2, 4, 5]
+
+
+# --- Ownership ---------------------------------------------------------------------------------------------------
+
+
+def test_a_root_belongs_to_the_run_that_first_committed_there(tmp_path, root, store):
+    store.commit(stage_checkpoint(tmp_path / "a1", seed=1), 1, world_size=2, config_hash="c", run_id="run-a")
+    other = CheckpointConfig(uri=str(root)).build()  # a second process
+    with pytest.raises(RootClaimedError, match="belongs to run run-a") as refused:
+        other.commit(stage_checkpoint(tmp_path / "b1", seed=2), 1, world_size=2, config_hash="c", run_id="run-b")
+    assert "\n" not in str(refused.value)
+    assert store.owner() == "run-a" and store.read_manifest(1).run_id == "run-a"
+    store.verify(1)  # run B wrote nothing
+    # The same run (a restart resuming with the id from its manifest) goes on committing.
+    other.commit(stage_checkpoint(tmp_path / "a2", seed=3), 2, world_size=2, config_hash="c", run_id="run-a")
+    assert store.list_steps() == [1, 2]
+
+
+def test_only_the_first_of_two_racing_claims_wins(tmp_path, root):
+    stores = [CheckpointConfig(uri=str(root)).build() for _ in range(2)]
+    stores[0].claim("run-a")
+    with pytest.raises(RootClaimedError):
+        stores[1].claim("run-b")
+    stores[1].claim("run-a")  # idempotent for the owner
+    assert json.loads((root / "owner.json").read_text())["run_id"] == "run-a"
+
+
+def test_prune_never_deletes_another_runs_steps(tmp_path, root, store):
+    for step in (1, 2, 3):
+        store.commit(stage_checkpoint(tmp_path / f"a{step}", seed=step), step, world_size=2, config_hash="c",
+                     run_id="run-a")
+    store.claim("run-b", take_over=True)
+    for step in (4, 5, 6, 7):
+        store.commit(stage_checkpoint(tmp_path / f"b{step}", seed=step), step, world_size=2, config_hash="c",
+                     run_id="run-b")
+    assert store.prune(keep_last=2, run_id="run-b") == [4, 5]
+    assert store.list_steps() == [1, 2, 3, 6, 7]
+
+
+# --- Per-rank commits --------------------------------------------------------------------------------------------
+
+
+RANK_FILES = {
+    0: {"engine/mp_rank_00_model_states.pt": 300, "engine/zero_pp_rank_0_mp_rank_00_optim_states.pt": 500,
+        "pipeline_state_rank0.pt": 50},
+    1: {"engine/zero_pp_rank_1_mp_rank_00_optim_states.pt": 500, "pipeline_state_rank1.pt": 50},
+}
+
+
+def stage_rank(tmp_path: Path, rank: int, step: int) -> Path:
+    directory = tmp_path / f"node{rank}-step{step}"  # each rank's own disk: nothing shared
+    return stage_checkpoint_files(directory, RANK_FILES[rank], seed=10 * step + rank)
+
+
+def stage_checkpoint_files(directory: Path, files: dict[str, int], seed: int) -> Path:
+    generator = random.Random(seed)
+    for relpath, size in files.items():
+        (directory / relpath).parent.mkdir(parents=True, exist_ok=True)
+        (directory / relpath).write_bytes(generator.randbytes(size))
+    return directory
+
+
+def test_each_rank_uploads_its_own_files_and_the_committer_writes_the_manifest(tmp_path, root, store):
+    store.begin_step(3, run_id="run-a")
+    reported = {rank: store.upload_rank_files(3, rank, stage_rank(tmp_path, rank, 3)) for rank in (0, 1)}
+    assert store.list_steps() == []  # uploaded, not committed
+    manifest = store.commit_manifest(3, reported, world_size=2, config_hash="c", extra={"iteration": 3},
+                                     run_id="run-a")
+
+    assert (manifest.world_size, manifest.run_id, store.latest_step()) == (2, "run-a", 3)
+    store.download(3, tmp_path / "restored")
+    for rank in (0, 1):
+        for relpath in RANK_FILES[rank]:
+            original = tmp_path / f"node{rank}-step3" / relpath
+            assert (tmp_path / "restored" / relpath).read_bytes() == original.read_bytes()
+    assert sorted(path.name for path in root.iterdir()) == ["latest", "owner.json", "step-3"]
+
+
+def test_the_manifest_is_refused_until_every_rank_reported_and_uploaded(tmp_path, root, store):
+    store.begin_step(1)
+    reported = {0: store.upload_rank_files(1, 0, stage_rank(tmp_path, 0, 1))}
+    with pytest.raises(CheckpointError, match=r"rank\(s\) \[1\]"):
+        store.commit_manifest(1, reported, world_size=2, config_hash="c")
+    # Rank 1 says it uploaded, but its file never reached this store (another node's local disk, say).
+    rank1 = stage_rank(tmp_path, 1, 1)
+    reported[1] = [_file_entry(rank1 / relpath, relpath) for relpath in RANK_FILES[1]]
+    with pytest.raises(CheckpointError, match="missing"):
+        store.commit_manifest(1, reported, world_size=2, config_hash="c")
+    assert store.list_steps() == [] and store.latest_step() is None
+    reported[1] = reported[0][:1]
+    with pytest.raises(CheckpointError, match="reported by ranks 0 and 1"):
+        store.commit_manifest(1, reported, world_size=2, config_hash="c")
+
+
+def test_a_crashed_attempts_leftovers_are_not_in_the_commit(tmp_path, root, store):
+    store.begin_step(1)
+    store.upload_rank_files(1, 0, stage_checkpoint_files(tmp_path / "crashed", {"stale.bin": 10}, seed=1))
+    store.begin_step(1)  # the restarted attempt
+    reported = {rank: store.upload_rank_files(1, rank, stage_rank(tmp_path, rank, 1)) for rank in (0, 1)}
+    store.commit_manifest(1, reported, world_size=2, config_hash="c")
+    assert not (root / "step-1" / "stale.bin").exists()
+    store.verify(1)
