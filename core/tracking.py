@@ -9,6 +9,8 @@ at most every ``retry_interval_s``; one warning says so per outage. MLflow's own
 its defaults (7 retries with exponential backoff, 120 s timeout) would block a training step for minutes per call.
 A request the server rejects as invalid cannot succeed by retrying: rejected metrics are moved to a side file and
 logged as an error; a run the server refuses to open turns tracking off. Either way the training goes on.
+Metric names are checked against MLflow's own rule before they are buffered: one bad name (a reward dimension
+called ``a//b``) is logged once and dropped, instead of making the server reject every batch it is part of.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -27,17 +28,15 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
-from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH, _validate_metric_name
 from pydantic import BaseModel, ConfigDict, Field
 
 from core import distributed
+from core.secrets import MASK, is_secret_key, mask_uri
 
 log = logging.getLogger(__name__)
 
 BUFFER_FILE = "mlflow-buffer.jsonl"
-MASK = "***"
-SECRET_KEY = re.compile(r"secret|password|token|key|credential", re.IGNORECASE)
-URI_USERINFO = re.compile(r"(?<=://)[^/@\s]+(?=@)")  # the `user:pass` (or bare token) in scheme://user:pass@host
 # Set only where the operator has not: a failed request fails in seconds, and we retry from the buffer instead.
 FAIL_FAST_HTTP = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
@@ -58,10 +57,6 @@ class TrackingConfig(BaseModel):
 
 
 # --- Params: the resolved config, flattened and masked ---------------------------------------------------------
-
-
-def mask_uri_credentials(text: str) -> str:
-    return URI_USERINFO.sub(MASK, text)
 
 
 def loggable_params(config: BaseModel | Mapping[str, Any]) -> dict[str, str]:
@@ -85,7 +80,7 @@ def _mask_tree(node: Any, prefix: str) -> Any:
     if isinstance(node, (list, tuple)):
         return [_mask_tree(child, f"{prefix}{i}.") for i, child in enumerate(node)]
     if node is None or isinstance(node, (bool, int, float)):
-        return MASK if SECRET_KEY.search(prefix.rstrip(".")) and node is not None else node
+        return MASK if is_secret_key(prefix.rstrip(".")) and node is not None else node
     return _masked(prefix.rstrip("."), str(node))
 
 
@@ -109,9 +104,24 @@ def _as_text(value: Any) -> str:
 
 
 def _masked(key: str, text: str) -> str:
-    if SECRET_KEY.search(key) and text not in ("", "null"):
+    if is_secret_key(key) and text not in ("", "null"):
         return MASK  # an unset secret stays visible as unset
-    return mask_uri_credentials(text)
+    return mask_uri(text)
+
+
+# --- Metric names ----------------------------------------------------------------------------------------------
+
+
+def metric_name_problem(name: str) -> str | None:
+    """Why MLflow would reject ``name`` as a metric key, or None when it accepts it. MLflow's own check (its
+    ``_validate_metric_name`` has no public equivalent), so the rule cannot drift from the server's."""
+    if len(name) > MAX_ENTITY_KEY_LENGTH:
+        return f"longer than {MAX_ENTITY_KEY_LENGTH} characters"
+    try:
+        _validate_metric_name(name)
+    except MlflowException as error:
+        return _first_line(error)
+    return None
 
 
 # --- Error classes ---------------------------------------------------------------------------------------------
@@ -141,6 +151,7 @@ class Tracker:
         self._buffer = self.run_dir / BUFFER_FILE
         self._in_outage = False
         self._retry_after = 0.0
+        self._bad_names: set[str] = set()
         if self.enabled:
             for name, value in FAIL_FAST_HTTP.items():
                 os.environ.setdefault(name, value)
@@ -171,9 +182,19 @@ class Tracker:
         timestamp = int(time.time() * 1000)
         with self._buffer.open("a") as buffer:
             for key, value in metrics.items():
-                row = {"key": key, "value": float(value), "step": step, "timestamp": timestamp}
-                buffer.write(json.dumps(row) + "\n")
+                if self._valid_name(key):
+                    row = {"key": key, "value": float(value), "step": step, "timestamp": timestamp}
+                    buffer.write(json.dumps(row) + "\n")
         self._sync()
+
+    def _valid_name(self, key: str) -> bool:
+        if key in self._bad_names:
+            return False
+        problem = metric_name_problem(key)
+        if problem is not None:
+            self._bad_names.add(key)
+            log.error("metric %r is not logged to MLflow (%s); the other metrics are", key, problem)
+        return problem is None
 
     def client(self) -> MlflowClient:
         """The MLflow client of this run's tracking server (for the model registry)."""
@@ -315,7 +336,7 @@ class Tracker:
 
     @property
     def _safe_uri(self) -> str:
-        return mask_uri_credentials(self.tracking_uri)
+        return mask_uri(self.tracking_uri)
 
 
 def _read_rows(buffer: Path) -> list[dict[str, Any]]:
@@ -330,4 +351,4 @@ def _read_rows(buffer: Path) -> list[dict[str, Any]]:
 
 def _first_line(error: Exception) -> str:
     lines = str(error).strip().splitlines()
-    return mask_uri_credentials(lines[0][:300]) if lines else type(error).__name__
+    return mask_uri(lines[0][:300]) if lines else type(error).__name__

@@ -1,13 +1,14 @@
 """Tracking against a real ``mlflow server``: masked params, metrics, artifacts, resume by run id, and an outage
 (server killed, then restarted on the same port and store) that the run survives without losing a metric."""
 
+import json
 import logging
 
 import matplotlib
 import pytest
 from mlflow import MlflowClient
 
-from core.tracking import BUFFER_FILE, Tracker, TrackingConfig
+from core.tracking import BUFFER_FILE, Tracker, TrackingConfig, masked_config, metric_name_problem
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 (after choosing the headless backend)
@@ -144,12 +145,49 @@ def test_embedded_default_keeps_database_and_artifacts_in_the_run_dir(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
-def test_rejected_metrics_are_set_aside_and_the_run_goes_on(mlflow_server, tmp_path, caplog):
+def test_a_metric_name_mlflow_rejects_is_dropped_once_and_the_others_still_log(mlflow_server, tmp_path, caplog):
+    caplog.set_level(logging.ERROR, logger="core.tracking")
     tracker = tracker_for(mlflow_server, tmp_path / "run")
     run_id = tracker.start({"seed": 1})
-    tracker.log_metrics({"bad//name": 1.0}, step=0)  # MLflow refuses names that are not normalised paths
-    tracker.log_metrics({"loss": 1.0}, step=0)
+    for step in range(3):  # a reward dimension MLflow refuses ("a//b" is not a normalised path) next to good ones
+        tracker.log_metrics({"reward/judge//safety": 1.0, "loss": 1.0 / (step + 1), "reward/VQ": step}, step=step)
     tracker.finish()
-    assert history(mlflow_server, run_id) == [(0, 1.0)]
-    [rejected] = (tmp_path / "run").glob("mlflow-rejected-*.jsonl")
-    assert '"bad//name"' in rejected.read_text() and "MLflow rejected metrics" in caplog.text
+    assert history(mlflow_server, run_id) == [(0, 1.0), (1, 0.5), (2, pytest.approx(1 / 3))]
+    assert [step for step, _ in history(mlflow_server, run_id, "reward/VQ")] == [0, 1, 2]
+    assert MlflowClient(mlflow_server.url).get_metric_history(run_id, "reward/judge//safety") == []
+    assert caplog.text.count("'reward/judge//safety' is not logged to MLflow") == 1
+    assert not list((tmp_path / "run").glob("mlflow-rejected-*.jsonl"))
+
+
+def test_metric_name_problem_follows_mlflow():
+    assert metric_name_problem("reward/VQ") is None and metric_name_problem("eval/reward mean:0") is None
+    for bad in ("a//b", "a/../b", "/abs", "x" * 251, "bad\nname", "emoji\u2728"):
+        assert metric_name_problem(bad), bad
+
+
+SECRET_CONFIG = {
+    "storage": {"Authorization": "Bearer eyJhbGci", "passwd": "hunter2", "auth": "basic-creds",
+                "cookie": "session=abc123", "session_token": "FQoGZXIvYXdzE"},
+    "data": {"prompts": "https://bucket.s3.amazonaws.com/p.jsonl?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+                        "&X-Amz-Credential=AKIAEXAMPLE%2F20250101&X-Amz-Signature=deadbeef0123&X-Amz-Expires=3600",
+             "mirror": "https://acct.blob.core.windows.net/c/p.jsonl?sv=2022-11-02&sig=c2VjcmV0c2ln%3D&se=2030"},
+    "sde": {"sigma_max": 1.0, "signal": "on"},  # not secrets, though they start like "sig"
+}
+SECRET_VALUES = ["eyJhbGci", "hunter2", "basic-creds", "abc123", "FQoGZXIvYXdzE", "AKIAEXAMPLE", "deadbeef0123",
+                 "c2VjcmV0c2ln"]
+
+
+def test_auth_keys_and_signed_url_queries_are_masked_in_params_and_the_saved_config(mlflow_server, tmp_path):
+    tracker = tracker_for(mlflow_server, tmp_path / "run")
+    run_id = tracker.start(SECRET_CONFIG)
+    tracker.finish()
+    params = MlflowClient(mlflow_server.url).get_run(run_id).data.params
+    saved = json.dumps(masked_config(SECRET_CONFIG))
+    for secret in SECRET_VALUES:
+        assert secret not in json.dumps(params) and secret not in saved, secret
+    assert {key for key, value in params.items() if value == "***"} == {
+        "storage.Authorization", "storage.passwd", "storage.auth", "storage.cookie", "storage.session_token"}
+    assert params["data.prompts"].startswith("https://bucket.s3.amazonaws.com/p.jsonl?X-Amz-Algorithm=AWS4-HMAC")
+    assert "X-Amz-Signature=***" in params["data.prompts"] and "X-Amz-Expires=3600" in params["data.prompts"]
+    assert "sig=***" in params["data.mirror"] and "sv=2022-11-02" in params["data.mirror"]
+    assert params["sde.sigma_max"] == "1.0" and params["sde.signal"] == "on"
