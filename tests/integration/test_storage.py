@@ -1,5 +1,6 @@
 """CheckpointStore against a real S3 endpoint (moto's standalone server): round trip, multipart, corruption,
-crashes mid-commit, retention, and an endpoint that goes down during an upload."""
+crashes mid-commit, retention, an endpoint that goes down during an upload or a bucket that is missing (retried,
+then StoreUnavailable with credentials masked), ownership claims, per-rank uploads and steps set aside."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from pathlib import Path
 
 import boto3
 import pytest
-from botocore.exceptions import BotoCoreError, ClientError
 
-from core.storage import MANIFEST_NAME, MiB, CheckpointError, CheckpointConfig, CheckpointStore
+from core.errors import StoreUnavailable
+from core.storage import MANIFEST_NAME, CheckpointConfig, CheckpointError, CheckpointStore, MiB, RootClaimedError
 
 pytestmark = pytest.mark.integration
 
@@ -225,18 +226,84 @@ def test_endpoint_down_during_upload_is_ridden_out_by_botocore_retries(
 
 
 def test_endpoint_down_longer_than_the_retries_leaves_the_step_uncommitted(
-    tmp_path, restartable_s3_server, make_bucket, monkeypatch
+    tmp_path, restartable_s3_server, make_bucket, monkeypatch, caplog
 ):
     server = restartable_s3_server
-    store = s3_store(server.endpoint_url, make_bucket(server.endpoint_url), max_attempts=2, connect_timeout_s=1.0)
+    bucket = make_bucket(server.endpoint_url)
+    # Credentials in the endpoint URL: botocore puts the URL in its connection errors.
+    secret_endpoint = server.endpoint_url.replace("http://", "http://AKIAKEY:TOPSECRET@")
+    store = s3_store(secret_endpoint, bucket, max_attempts=2, connect_timeout_s=1.0, outage_retry_s=2.0)
     commit_step(store, tmp_path, 1)
     upload_first_file_then(store, monkeypatch, server.stop)
 
-    with pytest.raises((BotoCoreError, ClientError)):
+    started = time.monotonic()
+    with caplog.at_level(logging.DEBUG, logger="core"), pytest.raises(StoreUnavailable) as unavailable:
         commit_step(store, tmp_path, 2)
+    elapsed = time.monotonic() - started
     server.start()
 
+    assert elapsed < 30  # bounded: botocore's two attempts, then our retries for 2 s
+    message = str(unavailable.value)
+    assert "\n" not in message and "TOPSECRET" not in message and "AKIAKEY" not in message
+    assert "TOPSECRET" not in caplog.text and "retrying" in caplog.text
+    assert (tmp_path / "staging-2" / SHARD).exists()  # the local staging is kept
     assert store.latest_step() == 1 and store.list_steps() == [1]
     with pytest.raises(CheckpointError, match="not a committed checkpoint"):
         store.resolve(2)
     assert store.resolve("auto") == 1
+
+
+def test_a_missing_bucket_is_retried_then_store_unavailable(tmp_path, s3_server, aws_credentials):
+    store = s3_store(s3_server, "no-such-bucket-here", outage_retry_s=1.5)
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="NoSuchBucket"):
+        commit_step(store, tmp_path, 1)
+    assert 1.0 <= time.monotonic() - started < 30
+    with pytest.raises(StoreUnavailable):  # reads too: an unreachable store is not a missing checkpoint
+        store.resolve("auto")
+
+
+def test_a_second_run_cannot_commit_to_a_claimed_root(tmp_path, s3_server, s3_bucket, s3):
+    first, second = s3_store(s3_server, s3_bucket), s3_store(s3_server, s3_bucket)
+    first.commit(stage_checkpoint(tmp_path / "a", seed=1), 1, world_size=2, config_hash="c", run_id="run-a")
+    with pytest.raises(RootClaimedError, match="belongs to run run-a"):
+        second.commit(stage_checkpoint(tmp_path / "b", seed=2), 1, world_size=2, config_hash="c", run_id="run-b")
+    with pytest.raises(RootClaimedError):
+        second.claim("run-b")  # the conditional put (If-None-Match: *) refuses to replace the owner file
+    assert json.loads(get(s3, s3_bucket, "owner.json"))["run_id"] == "run-a"
+    first.verify(1)
+
+
+def test_ranks_upload_their_own_files_and_the_committer_writes_the_manifest(tmp_path, store):
+    per_rank = {0: {"engine/zero_pp_rank_0_mp_rank_00_optim_states.pt": 4000, "pipeline_state_rank0.pt": 100},
+                1: {"engine/zero_pp_rank_1_mp_rank_00_optim_states.pt": 4000, "pipeline_state_rank1.pt": 100}}
+    staged = {rank: stage_checkpoint(tmp_path / f"node{rank}", seed=rank, files=files)
+              for rank, files in per_rank.items()}
+    store.begin_step(5, run_id="run-a")
+    reported = {rank: store.upload_rank_files(5, rank, staged[rank]) for rank in staged}
+    assert store.list_steps() == []
+    with pytest.raises(CheckpointError, match="rank"):
+        store.commit_manifest(5, {0: reported[0]}, world_size=2, config_hash="c", run_id="run-a")
+    store.commit_manifest(5, reported, world_size=2, config_hash="c", run_id="run-a")
+
+    assert store.resolve("auto") == 5
+    store.download(5, tmp_path / "restored")
+    for rank, files in per_rank.items():
+        for relpath in files:
+            assert (tmp_path / "restored" / relpath).read_bytes() == (staged[rank] / relpath).read_bytes()
+
+
+def test_a_broken_step_is_moved_aside_not_overwritten(tmp_path, store, s3, s3_bucket):
+    commit_step(store, tmp_path, 1)
+    commit_step(store, tmp_path, 2)
+    broken = flip_middle_byte(get(s3, s3_bucket, f"step-2/{SHARD}"))
+    put(s3, s3_bucket, f"step-2/{SHARD}", broken)
+    assert store.resolve("auto") == 1  # step 2 fails verification; the run goes on from step 1
+
+    commit_step(store, tmp_path, 2)
+    store.verify(2)
+    aside = [item["Key"] for item in s3.list_objects_v2(Bucket=s3_bucket, Prefix=f"{PREFIX}/set-aside-step-2-")
+             .get("Contents", [])]
+    shard = [key for key in aside if key.endswith(SHARD)]
+    assert len(shard) == 1 and s3.get_object(Bucket=s3_bucket, Key=shard[0])["Body"].read() == broken
+    assert store.prune(keep_last=2) == []  # nothing set aside is ever a step to prune
