@@ -53,6 +53,15 @@ class VideoSize:
         return cls(**known)
 
 
+def parse_size(text: str, fps: float = DEFAULT_FPS) -> VideoSize:
+    """``"9x64x64"`` (frames x height x width), as the command line gives it, into a VideoSize."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(part.isdigit() for part in parts):
+        raise UserError(f"video size {text!r} is not FRAMESxHEIGHTxWIDTH, e.g. 9x64x64")
+    frames, height, width = map(int, parts)
+    return VideoSize(frames, height, width, fps)
+
+
 class _RewardsFile(BaseModel):
     # A rewards-only YAML (what serve-reward takes): the rest of a run config may be absent.
     model_config = ConfigDict(extra="ignore")

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from core.errors import UserError
-from pipeline.check_reward import VideoSize, check_reward, synthetic_videos
+from pipeline.check_reward import VideoSize, check_reward, parse_size, synthetic_videos
 from stages.score import RewardFailure
 
 pytestmark = pytest.mark.unit
@@ -90,3 +90,10 @@ def test_a_rewards_only_file_is_checked_too(tmp_path):
                                     "port": 8000}))
     report = check(str(path), num_videos=1)
     assert "reward 'brightness': ok" in report and "reward 'colorfulness': ok" in report
+
+
+def test_a_size_from_the_command_line():
+    assert parse_size("3x16X24", fps=8) == VideoSize(num_frames=3, height=16, width=24, fps=8)
+    for bad in ("3x16", "ax16x24", "0x16x24"):
+        with pytest.raises(UserError):
+            parse_size(bad)
