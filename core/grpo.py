@@ -27,24 +27,26 @@ def group_advantages(
     group_ids: torch.Tensor | list[int],
     *,
     global_std: bool = False,
+    all_rewards: torch.Tensor | list[float | None] | None = None,
     clip: float = 5.0,
 ) -> Advantages:
     """A_i = (r_i - mean(r_group)) / (std(r_group) + 1e-8), clipped to [-clip, clip].
 
     A NaN or None reward means "no score": that sample is dropped from its group, never counted as 0. A group with
     fewer than two scored samples has no baseline and contributes nothing. ``global_std`` divides by the std of all
-    scored rewards instead of the group's (Dr. GRPO-style variance normalisation across prompts).
+    scored rewards instead of the group's (Dr. GRPO-style variance normalisation across prompts): of ``all_rewards``
+    when given (every rank's rewards, gathered by the caller: ``stages.update.compute_advantages``), else of
+    ``rewards``. The result is on the CPU; the update moves it to the model's device.
     """
-    rewards = torch.tensor([float("nan") if r is None else float(r) for r in rewards], dtype=torch.float64) \
-        if isinstance(rewards, list) else rewards.to(torch.float64)
-    group_ids = torch.as_tensor(group_ids)
+    rewards = _as_rewards(rewards)
+    group_ids = torch.as_tensor(group_ids).cpu()
     if rewards.shape != group_ids.shape or rewards.ndim != 1:
         raise ValueError(f"rewards {list(rewards.shape)} and group ids {list(group_ids.shape)} must be equal 1-D shapes")
     scored = torch.isfinite(rewards)
     values = torch.zeros_like(rewards)
     valid = torch.zeros_like(scored)
     # Population std (unbiased=False) matches the reference and stays defined for groups of two.
-    all_scored_std = rewards[scored].std(unbiased=False) if scored.sum() > 1 else torch.tensor(0.0, dtype=torch.float64)
+    all_scored_std = _scored_std(rewards if all_rewards is None else _as_rewards(all_rewards))
     for group in torch.unique(group_ids):
         members = (group_ids == group) & scored
         if members.sum() < 2:
@@ -54,6 +56,17 @@ def group_advantages(
         values[members] = (group_rewards - group_rewards.mean()) / (scale + ADVANTAGE_EPS)
         valid[members] = True
     return Advantages(values=values.clamp(-clip, clip).to(torch.float32), valid=valid)
+
+
+def _as_rewards(rewards) -> torch.Tensor:
+    if isinstance(rewards, list):
+        return torch.tensor([float("nan") if r is None else float(r) for r in rewards], dtype=torch.float64)
+    return rewards.detach().cpu().to(torch.float64)
+
+
+def _scored_std(rewards: torch.Tensor) -> torch.Tensor:
+    scored = rewards[torch.isfinite(rewards)]
+    return scored.std(unbiased=False) if len(scored) > 1 else torch.tensor(0.0, dtype=torch.float64)
 
 
 @dataclass(frozen=True)
@@ -108,7 +121,8 @@ class KLFeedback(str, Enum):
 
 
 class AdaptiveKLController:
-    """lambda_KL: linear warm-up from ``initial`` to ``maximum`` over ``warmup_steps`` updates, then feedback.
+    """lambda_KL: linear warm-up from ``initial`` to ``maximum`` over ``warmup_steps`` updates, then feedback
+    (from ``initial`` when there is no warm-up).
 
     After warm-up, each update compares D (the mean of the last ``history`` measured KL values) with the target and
     scales lambda by 1.1 or 0.9 when D leaves [0.5, 1.5] x target; lambda always stays in [initial, maximum].
@@ -134,7 +148,7 @@ class AdaptiveKLController:
         self.warmup_steps, self.up, self.down = warmup_steps, up, down
         self.feedback = KLFeedback(feedback)
         self.steps = 0
-        self.value = initial if warmup_steps > 0 else maximum
+        self.value = initial  # warm-up starts here; without warm-up, feedback starts here
         self.measurements: deque[float] = deque(maxlen=history)
 
     def update(self, measured_kl: float) -> float:

@@ -144,7 +144,10 @@ def sde_step(
     x = latents.to(dtype)
     sigma_t = _per_sample(sigma, x, dtype)
     sigma_next_t = _per_sample(sigma_next, x, dtype)
-    if torch.any(sigma_next_t >= sigma_t) or torch.any(sigma_t > 1.0) or torch.any(sigma_next_t < 0.0):
+    # Checked where the values are on the host: reading a device tensor would synchronise every step (the
+    # rollout's schedule is validated once, on the CPU, before its first step).
+    if sigma_t.device.type == "cpu" and (torch.any(sigma_next_t >= sigma_t) or torch.any(sigma_t > 1.0)
+                                         or torch.any(sigma_next_t < 0.0)):
         raise ValueError("a denoising step needs 1 >= sigma > sigma_next >= 0")
 
     euler = x + (sigma_next_t - sigma_t) * v

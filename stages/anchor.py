@@ -3,6 +3,9 @@
 Recipe: ``Anchor.snapshot(module)`` copies the trainable parameters' local shards (the adapter weights under LoRA,
 every weight under full fine-tuning); ``with anchor.swapped_in(): module(...)`` evaluates the anchor by swapping those
 values into the policy module in place and back; ``anchor.refresh()`` re-copies the shards from the policy.
+The same class holds the velocity term's lagged policy (pi_{k-1}): ``stage()`` copies the policy's values at the
+start of an update into a second buffer and ``commit()`` makes them the reference once the update was applied (a
+skipped update leaves the reference where it was).
 
 Why shards and swapping: under ZeRO-3 each rank owns 1/world of every parameter (``param.ds_tensor``) and forward
 all-gathers them, so swapping the local shards makes the next forward run the anchor without ever gathering a whole
@@ -49,6 +52,7 @@ class Anchor:
         self.offload = offload
         self.refreshes = 0
         self._saved = [self._store(_holder(p).data) for p in params]
+        self._staged: list[torch.Tensor] | None = None
 
     @classmethod
     def snapshot(cls, module: torch.nn.Module, offload: bool = False) -> "Anchor":
@@ -62,9 +66,32 @@ class Anchor:
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy the policy's current local values into the anchor (no communication)."""
-        for param, saved in zip(self.params, self._saved):
-            saved.copy_(_holder(param).data, non_blocking=True)
+        self._copy_policy_into(self._saved)
         self.refreshes += 1
+
+    @torch.no_grad()
+    def stage(self) -> None:
+        """Copy the policy's current local values into the staging buffer (allocated once, like the saved one)."""
+        if self._staged is None:
+            self._staged = [self._store(_holder(p).data) for p in self.params]
+        else:
+            self._copy_policy_into(self._staged)
+
+    def commit(self) -> None:
+        """Make the staged values the reference (a swap of lists: no copy)."""
+        if self._staged is None:
+            raise RuntimeError("commit() without stage()")
+        self._saved, self._staged = self._staged, self._saved
+        self.refreshes += 1
+
+    def _copy_policy_into(self, buffers: list[torch.Tensor]) -> None:
+        for param, buffer in zip(self.params, buffers):
+            buffer.copy_(_holder(param).data, non_blocking=True)
+
+    def _synchronize(self) -> None:
+        """Wait for non_blocking device-to-host copies into pinned memory: until then the host values may be stale."""
+        if self.offload and torch.cuda.is_available() and any(p.device.type == "cuda" for p in self.params):
+            torch.cuda.synchronize()
 
     @torch.no_grad()
     def _swap(self) -> None:
@@ -93,6 +120,7 @@ class Anchor:
 
     def state_dict(self) -> dict:
         """This rank's anchor values (its shards), for checkpoints: each rank saves and loads its own."""
+        self._synchronize()
         return {"refreshes": self.refreshes, "values": [saved.cpu() for saved in self._saved]}
 
     @torch.no_grad()

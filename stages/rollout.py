@@ -94,7 +94,7 @@ class Rollout:
     prompts: list[str]  # P prompts; the samples of one prompt form one GRPO group
     embeddings: PromptEmbeddings  # of the P prompts
     sde_config: SDEConfig
-    sigmas: torch.Tensor  # [T+1], from 1 to 0
+    sigmas: torch.Tensor  # [T+1] float32, from 1 to 0; CPU (each step moves its two values to the model's device)
     step_etas: torch.Tensor  # [T] float64 (exactly the config's eta), 0 on deterministic steps; CPU
     stds: torch.Tensor  # [T] float32, the noise std of each step; 0 on deterministic steps; CPU
     trained_steps: torch.Tensor  # [T] bool, CPU: ``SDEConfig.trained_steps_mask`` of this schedule
@@ -158,9 +158,8 @@ def generate(
     if len(prompt_ids) != len(prompts):
         raise ValueError(f"{len(prompt_ids)} prompt_ids for {len(prompts)} prompts")
 
-    schedule = adapter.sigma_schedule(sde_config.steps, sde_config.shift)
-    sigmas = schedule.to(adapter.device)
-    stds = sde_config.schedule_stds(schedule.cpu())  # raises on a NaN std: never a silently untrained step
+    sigmas = adapter.sigma_schedule(sde_config.steps, sde_config.shift).cpu()
+    stds = sde_config.schedule_stds(sigmas)  # raises on a NaN std: never a silently untrained step
     step_etas = sde_config.step_etas()
     if embeddings is None:  # callers with an embedding cache pass the prompts' embeddings in
         embeddings = adapter.encode_prompts(prompts)
@@ -212,7 +211,7 @@ def _denoise(adapter, embeddings, generators, sigmas, step_etas, variant, on_ste
     x = _per_sample_noise(generators, adapter.latent_shape(), adapter.device)
     latents, log_probs = [x], []
     for t, eta in enumerate(step_etas):
-        sigma, sigma_next = _step_sigmas(sigmas, t, len(x))
+        sigma, sigma_next = _step_sigmas(sigmas, t, len(x), x.device)
         velocity = adapter.predict_velocity(x, sigma, embeddings)
         # Drawn on deterministic steps too, so that step t's noise does not depend on the window.
         noise = _per_sample_noise(generators, adapter.latent_shape(), adapter.device)
@@ -231,9 +230,10 @@ def _per_sample_noise(generators, shape, device) -> torch.Tensor:
     return torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]).to(device)
 
 
-def _step_sigmas(sigmas: torch.Tensor, t: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample sigma and sigma_next of step t, shaped [B] as the update stage passes them (same numerics)."""
-    return sigmas[t].expand(batch), sigmas[t + 1].expand(batch)
+def _step_sigmas(sigmas: torch.Tensor, t: int, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample sigma and sigma_next of step t on ``device``, shaped [B]: the rollout and every scorer alike."""
+    pair = sigmas[t:t + 2].to(device)
+    return pair[0].expand(batch), pair[1].expand(batch)
 
 
 def _decode_in_batches(adapter, final_latents: torch.Tensor, batches: list[torch.Tensor]) -> torch.Tensor:
@@ -251,7 +251,7 @@ def score_transition(adapter: VideoModelAdapter, rollout: Rollout, samples: torc
     """
     on_device = samples.to(rollout.latents.device)
     x = rollout.latents[on_device, t]
-    sigma, sigma_next = _step_sigmas(rollout.sigmas, t, len(samples))
+    sigma, sigma_next = _step_sigmas(rollout.sigmas, t, len(samples), x.device)
     velocity = adapter.predict_velocity(x, sigma, rollout.sample_embeddings(samples), module=module)
     return sde_step(rollout.sde_config.sde_variant, velocity, x, sigma, sigma_next, float(rollout.step_etas[t]),
                     prev_sample=rollout.latents[on_device, t + 1])

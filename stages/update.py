@@ -16,16 +16,23 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Iterator, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core import distributed, sde
-from core.grpo import AdaptiveKLController, Advantages, KLFeedback, clipped_surrogate, gaussian_mean_kl, stepwise_kl
+from core.grpo import (AdaptiveKLController, Advantages, KLFeedback, SurrogateTerms, clipped_surrogate,
+                       gaussian_mean_kl, group_advantages, stepwise_kl)
 from core.trust_region import KLStrategy, TrustRegion
 from stages.anchor import Anchor
+from stages.rollout import score_transition
 
 DEEPSPEED_CONFIGS = Path(__file__).resolve().parent.parent / "deepspeed_configs"
+
+CALIBRATED_LAMBDA_MIN = 0.1
+CALIBRATED_LAMBDA_MAX = 10.0
+CALIBRATED_KL_TARGET = 1e-3
 
 
 class UpdateConfig(BaseModel):
@@ -45,22 +52,50 @@ class UpdateConfig(BaseModel):
     seed: int = 0
 
 
+# The adaptive KL weight's numbers per preset. "paper" is the appendix literally (lambda in [1e-7, 1e-5], target 1e-5):
+# on our per-element-mean KL its gradient is ~1e-5 of the policy term's, so it is inert (measured: README, Choices).
+# "calibrated" (default) puts lambda where the KL gradient is a useful fraction of the policy gradient; see the
+# module docstring for the reasoning.
+KL_PRESETS: dict[str, dict[str, Any]] = {
+    "calibrated": dict(kl_initial=CALIBRATED_LAMBDA_MIN, kl_maximum=CALIBRATED_LAMBDA_MAX, kl_warmup_steps=0,
+                       kl_history=3, kl_target=CALIBRATED_KL_TARGET, kl_feedback=KLFeedback.TOWARD_TARGET),
+    "paper": dict(kl_initial=1e-7, kl_maximum=1e-5, kl_warmup_steps=100, kl_history=10, kl_target=1e-5,
+                  kl_feedback=KLFeedback.TOWARD_TARGET),
+}
+
+
 class TrustRegionConfig(BaseModel):
-    """The dual trust region and its adaptive weight; defaults are the paper's (section 4 of the spec)."""
+    """The dual trust region and its adaptive weight. ``preset`` fills the lambda keys left unset: ``calibrated``
+    (default, acts) or ``paper`` (the appendix's numbers, inert on this objective); a key set explicitly wins."""
 
     model_config = ConfigDict(extra="forbid")
 
+    preset: Literal["calibrated", "paper"] = "calibrated"
     strategy: KLStrategy = KLStrategy.DUAL
     position_weight: float = Field(1.0, ge=0)
     stepwise_weight: float = Field(0.1, ge=0)
+    # lagged: Gaussian mean KL to the policy one applied update behind (pi_{k-1}). rollout_logratio: the paper's
+    # mean(logp_old - logp_new), identically 0 with one update per rollout (kept for parity; a no-op here).
+    velocity_estimator: Literal["lagged", "rollout_logratio"] = "lagged"
     anchor_interval: int = Field(10, ge=1)
     anchor_offload: bool = False
-    kl_initial: float = Field(1e-7, gt=0)
-    kl_maximum: float = Field(1e-5, gt=0)
-    kl_warmup_steps: int = Field(100, ge=0)
-    kl_history: int = Field(10, ge=1)
-    kl_target: float = Field(1e-5, gt=0)
-    kl_feedback: KLFeedback = KLFeedback.TOWARD_TARGET
+    kl_initial: float = Field(gt=0)
+    kl_maximum: float = Field(gt=0)
+    kl_warmup_steps: int = Field(ge=0)
+    kl_history: int = Field(ge=1)
+    kl_target: float = Field(gt=0)
+    kl_feedback: KLFeedback
+    # update/kl_grad_ratio is measured on one micro-step every this many updates (two extra backward passes); 0: off.
+    kl_grad_ratio_every: int = Field(10, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            preset = data.get("preset", "calibrated")
+            if preset in KL_PRESETS:
+                data = KL_PRESETS[preset] | data
+        return data
 
     def region(self) -> TrustRegion:
         return TrustRegion(self.strategy, self.position_weight, self.stepwise_weight, self.anchor_interval)
@@ -130,6 +165,27 @@ def accumulation_steps(samples_per_rank: int, micro_batch_size: int, trained_ste
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Advantages
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def compute_advantages(rewards: list[float | None], group_ids: torch.Tensor, config: UpdateConfig) -> Advantages:
+    """Group advantages of this rank's samples; ``update.global_std`` divides by the std of every rank's scored
+    rewards (gathered), not of this rank's alone, so the scale does not depend on how samples are split."""
+    everyone = _gather_rewards(rewards) if config.global_std else None
+    return group_advantages(rewards, group_ids, global_std=config.global_std, all_rewards=everyone,
+                            clip=config.advantage_clip)
+
+
+def _gather_rewards(rewards: list[float | None]) -> list[float | None]:
+    if distributed.world_size() == 1 or not torch.distributed.is_initialized():
+        return list(rewards)
+    gathered: list[list] = [None] * distributed.world_size()
+    torch.distributed.all_gather_object(gathered, [None if r is None else float(r) for r in rewards])
+    return [r for rank_rewards in gathered for r in rank_rewards]
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The update
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -146,6 +202,7 @@ class Transition:
 class _Totals:
     sums: dict[str, float] = field(default_factory=dict)
     count: int = 0
+    kl_grad_ratio: float | None = None
     ratio_min: float = math.inf
     ratio_max: float = -math.inf
 
@@ -158,8 +215,57 @@ class _Totals:
         return {key: value / max(self.count, 1) for key, value in self.sums.items()}
 
 
+@dataclass
+class LossTerms:
+    """One micro-step's loss and its parts. ``kl`` is unweighted by lambda (the controller sees it)."""
+
+    loss: torch.Tensor
+    policy: torch.Tensor
+    kl: torch.Tensor
+    position_kl: torch.Tensor
+    velocity_kl: torch.Tensor
+    surrogate: SurrogateTerms
+
+
+def micro_step_loss(step: sde.SDEStepOutput, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                    valid: torch.Tensor, weight: float, region: TrustRegion, kl_weight: float, *,
+                    clip_range: float, anchor_mean: torch.Tensor | None = None,
+                    lagged_mean: torch.Tensor | None = None) -> LossTerms:
+    """policy term x S_t + lambda x (position KL + velocity weight x velocity KL) for one chunk at one step.
+
+    Every tensor argument must already be on the policy's device (``Updater.update`` moves them once): mixing a
+    CPU advantage with a CUDA ratio is exactly the error the first GPU update would raise. The velocity KL is the
+    Gaussian mean KL to the lagged policy when ``lagged_mean`` is given, else the rollout log-ratio estimator.
+    """
+    surrogate = clipped_surrogate(step.log_prob, old_log_prob, advantages, clip_range, weights=weight)
+    policy = (surrogate.loss * valid).sum() / len(valid)
+    zero = step.log_prob.new_zeros(())
+    position = gaussian_mean_kl(step.mean, anchor_mean, step.std).mean() if anchor_mean is not None else zero
+    if lagged_mean is not None:
+        velocity = gaussian_mean_kl(step.mean, lagged_mean, step.std).mean()
+    else:
+        velocity = stepwise_kl(old_log_prob, step.log_prob) if region.uses_stepwise_kl else zero
+    kl = region.total_kl(position, velocity)
+    kl = kl if torch.is_tensor(kl) else zero
+    return LossTerms(policy + kl_weight * kl, policy, kl, position, velocity, surrogate)
+
+
+def gradient_ratio(terms: LossTerms, kl_weight: float, params: list[torch.nn.Parameter]) -> float:
+    """|lambda grad KL| / |grad policy term| over ``params``: whether the trust region acts (0.01-0.3 is a useful
+    band; 1e-5, the paper's numbers on our per-element KL, means it does nothing). Keeps the graph for the backward."""
+    def norm(value: torch.Tensor) -> float:
+        if not value.requires_grad:
+            return 0.0
+        grads = torch.autograd.grad(value, params, retain_graph=True, allow_unused=True)
+        return float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads if g is not None)))
+
+    policy = norm(terms.policy)
+    return norm(kl_weight * terms.kl) / policy if policy > 0 else float("nan")
+
+
 class Updater:
-    """Holds what persists across updates: the engine, the anchor, the KL controller and the counters."""
+    """Holds what persists across updates: the engine, the anchor, the lagged policy, the KL controller and the
+    counters. Under ZeRO-3 the anchor and the lagged policy are each rank's own shards (``stages/anchor.py``)."""
 
     def __init__(self, engine, adapter, update_config: UpdateConfig, trust_config: TrustRegionConfig):
         self.engine = engine
@@ -168,8 +274,10 @@ class Updater:
         self.trust = trust_config.region()
         self.trust_config = trust_config
         self.controller = trust_config.controller()
-        self.anchor = Anchor.snapshot(engine.module, offload=trust_config.anchor_offload) \
-            if self.trust.needs_anchor else None
+        offload = trust_config.anchor_offload
+        self.anchor = Anchor.snapshot(engine.module, offload=offload) if self.trust.needs_anchor else None
+        lagged = self.trust.uses_stepwise_kl and trust_config.velocity_estimator == "lagged"
+        self.lagged = Anchor.snapshot(engine.module, offload=offload) if lagged else None
         self.updates_done = 0
         self.skipped_updates = 0
 
@@ -182,19 +290,43 @@ class Updater:
         if len(transitions) != self.engine.gradient_accumulation_steps():
             raise ValueError(f"{len(transitions)} micro-steps in this rollout, but the engine accumulates "
                              f"{self.engine.gradient_accumulation_steps()}: roll out with batch_size = micro_batch_size")
-        for transition in transitions:
-            loss, parts = self._micro_step(rollout, advantages, weights, transition)
-            self.engine.backward(loss)
+        if self.lagged is not None:
+            self.lagged.stage()  # this update's starting weights: the lagged policy once the update is applied
+        measure = self._ratio_due()
+        for i, terms in enumerate(self.losses(rollout, advantages, weights, transitions)):
+            if measure and i == 0:
+                totals.kl_grad_ratio = gradient_ratio(terms, self.controller.value, self._trainable())
+            self.engine.backward(terms.loss)
             self.engine.step()
-            totals.add(**parts)
-            totals.ratio_min = min(totals.ratio_min, parts["ratio_min"])
-            totals.ratio_max = max(totals.ratio_max, parts["ratio_max"])
+            ratio = terms.surrogate.ratio
+            totals.add(loss=terms.loss.item(), policy_loss=terms.policy.item(), kl=terms.kl.item(),
+                       position_kl=terms.position_kl.item(), velocity_kl=terms.velocity_kl.item(),
+                       clip_fraction=terms.surrogate.clipped.float().mean().item(), ratio_mean=ratio.mean().item())
+            totals.ratio_min = min(totals.ratio_min, ratio.min().item())
+            totals.ratio_max = max(totals.ratio_max, ratio.max().item())
         return self._finish_update(totals, weights, rollout)
+
+    def losses(self, rollout, advantages: Advantages, weights: torch.Tensor | None = None,
+               transitions: list[Transition] | None = None) -> Iterator[LossTerms]:
+        """Each micro-step's loss in training order, computed lazily (after the previous step was applied)."""
+        weights = self._timestep_weights(rollout) if weights is None else weights
+        device = rollout.latents.device
+        # Once per update: group_advantages builds CPU tensors, the policy's ratio lives on the model's device.
+        advantages = Advantages(advantages.values.to(device), advantages.valid.to(device))
+        for transition in self._transitions(rollout) if transitions is None else transitions:
+            yield self._micro_step(rollout, advantages, weights, transition)
+
+    def _ratio_due(self) -> bool:
+        every = self.trust_config.kl_grad_ratio_every
+        return bool(every) and self.trust.strategy is not KLStrategy.NONE and self.updates_done % every == 0
+
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.engine.module.parameters() if p.requires_grad]
 
     def _transitions(self, rollout) -> list[Transition]:
         # The rollout's own transformer batches: the same batch composition reproduces its log-probs bit for bit.
         chunks = rollout.batches
-        steps = [int(t) for t in torch.nonzero(rollout.trained_steps).flatten()]
+        steps = [int(t) for t in torch.nonzero(rollout.trained_steps.cpu()).flatten()]
         pairs = [Transition(chunk, step) for chunk in chunks for step in steps]
         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(self.config.seed + self.updates_done))
         return [pairs[i] for i in order]
@@ -202,49 +334,25 @@ class Updater:
     def _timestep_weights(self, rollout) -> torch.Tensor:
         return timestep_weights(rollout, equalize=self.config.equalizer)
 
-    def _micro_step(self, rollout, advantages: Advantages, weights, transition: Transition):
+    def _micro_step(self, rollout, advantages: Advantages, weights, transition: Transition) -> LossTerms:
         index, t = transition.samples, transition.step
-        latents = rollout.latents[index, t]
-        target = rollout.latents[index, t + 1]
-        sigma = rollout.sigmas[t].expand(len(index)).float()
-        sigma_next = rollout.sigmas[t + 1].expand(len(index)).float()
-        embeddings = rollout.sample_embeddings(index)
-
-        sde_config = rollout.sde_config
-
-        def transition_under(module):
-            velocity = self.adapter.predict_velocity(latents, sigma, embeddings, module=module)
-            return sde.sde_step(sde_config.sde_variant, velocity, latents, sigma, sigma_next, sde_config.eta,
-                                prev_sample=target)
-
-        anchor_mean = None
-        if self.anchor is not None:
-            with torch.no_grad(), self.anchor.swapped_in():
-                anchor_mean = transition_under(self.engine).mean
-        step = transition_under(self.engine)
-
-        old_log_prob = rollout.log_probs[index, t].float()
-        valid = advantages.valid[index].float()
-        surrogate = clipped_surrogate(step.log_prob, old_log_prob, advantages.values[index].float(),
-                                      self.config.clip_range, weights=float(weights[t]))
-        policy_loss = (surrogate.loss * valid).sum() / len(index)
-        position_kl = gaussian_mean_kl(step.mean, anchor_mean, step.std).mean() if anchor_mean is not None \
-            else torch.zeros(())
-        velocity_kl = stepwise_kl(old_log_prob, step.log_prob)
-        kl = self.trust.total_kl(position_kl, velocity_kl)
-        loss = policy_loss + self.controller.value * kl
-        parts = {
-            "loss": loss.item(), "policy_loss": policy_loss.item(), "position_kl": position_kl.item(),
-            "stepwise_kl": velocity_kl.item(), "kl": float(kl),
-            "clip_fraction": surrogate.clipped.float().mean().item(), "ratio_mean": surrogate.ratio.mean().item(),
-            "ratio_min": surrogate.ratio.min().item(), "ratio_max": surrogate.ratio.max().item(),
-        }
-        return loss, parts
+        references = {}
+        for name, copy in (("anchor_mean", self.anchor), ("lagged_mean", self.lagged)):
+            if copy is not None:
+                with torch.no_grad(), copy.swapped_in():
+                    references[name] = score_transition(self.adapter, rollout, index, t, module=self.engine).mean
+        step = score_transition(self.adapter, rollout, index, t, module=self.engine)
+        on_device = index.to(rollout.latents.device)
+        return micro_step_loss(step, rollout.log_probs[on_device, t].float(), advantages.values[on_device],
+                               advantages.valid[on_device].float(), float(weights[t]), self.trust,
+                               self.controller.value, clip_range=self.config.clip_range, **references)
 
     def _finish_update(self, totals: _Totals, weights, rollout) -> dict[str, float]:
         skipped = not self.engine.was_step_applied()
         metrics = distributed.all_reduce_mean(totals.means())
         metrics["ratio_min"], metrics["ratio_max"] = totals.ratio_min, totals.ratio_max
+        if totals.kl_grad_ratio is not None:
+            metrics["kl_grad_ratio"] = distributed.all_reduce_mean({"r": totals.kl_grad_ratio})["r"]
         metrics["lambda_kl"] = self.controller.value
         grad_norm = self.engine.get_global_grad_norm()
         metrics["grad_norm"] = float("nan") if grad_norm is None else float(grad_norm)
@@ -255,6 +363,8 @@ class Updater:
         else:
             self.updates_done += 1
             self.controller.update(metrics["kl"])
+            if self.lagged is not None:
+                self.lagged.commit()
             if self.anchor is not None and self.trust.refresh_due(self.updates_done):
                 self.anchor.refresh()
         metrics["skipped"] = float(skipped)
@@ -268,7 +378,8 @@ class Updater:
     def state_dict(self) -> dict:
         return {"updates_done": self.updates_done, "skipped_updates": self.skipped_updates,
                 "controller": self.controller.state_dict(),
-                "anchor": self.anchor.state_dict() if self.anchor else None}
+                "anchor": self.anchor.state_dict() if self.anchor else None,
+                "lagged": self.lagged.state_dict() if self.lagged else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.updates_done = int(state["updates_done"])
@@ -276,6 +387,8 @@ class Updater:
         self.controller.load_state_dict(state["controller"])
         if self.anchor is not None:
             self.anchor.load_state_dict(state["anchor"])
+        if self.lagged is not None:
+            self.lagged.load_state_dict(state["lagged"])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -297,17 +410,10 @@ def timestep_gradient_norms(adapter, rollout, *, equalize: bool, samples: torch.
     the temporal gradient equalizer balances (the paper's claim, measured rather than assumed)."""
     params = [p for p in adapter.transformer.parameters() if p.requires_grad]
     weights = timestep_weights(rollout, equalize=equalize)
-    config = rollout.sde_config
-    index = torch.arange(rollout.num_samples) if samples is None else samples
-    embeddings = rollout.sample_embeddings(index)
+    index = torch.arange(rollout.num_samples) if samples is None else torch.as_tensor(samples)
     norms = {}
     for t in torch.nonzero(rollout.trained_steps.cpu()).flatten().tolist():
-        latents = rollout.latents[index, t]
-        sigma = rollout.sigmas[t].expand(len(index)).float()
-        sigma_next = rollout.sigmas[t + 1].expand(len(index)).float()
-        velocity = adapter.predict_velocity(latents, sigma, embeddings)
-        step = sde.sde_step(config.sde_variant, velocity, latents, sigma, sigma_next, config.eta,
-                            prev_sample=rollout.latents[index, t + 1])
+        step = score_transition(adapter, rollout, index, t)
         grads = torch.autograd.grad(step.log_prob.sum() * float(weights[t]), params, allow_unused=True)
         norms[t] = float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads if g is not None)))
     return norms

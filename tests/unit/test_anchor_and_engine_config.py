@@ -53,6 +53,31 @@ def test_anchor_covers_only_trainable_parameters_and_refresh_copies_them():
     assert torch.equal(restored._saved[1], refreshed_bias)
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["storage-swap", "value-swap"])
+def test_lagged_copy_commits_the_staged_weights_and_keeps_the_old_ones_until_then(offload):
+    module = _module()
+    lagged = Anchor.snapshot(module, offload=offload)
+    start = module[1].weight.detach().clone()
+
+    def step():
+        with torch.no_grad():
+            module[1].weight.add_(1.0)
+
+    step()
+    lagged.stage()  # the update's starting weights, start + 1
+    step()          # ... applied
+    with lagged.swapped_in():
+        assert torch.equal(module[1].weight, start)  # until commit, the reference stays where it was
+    lagged.commit()
+    with lagged.swapped_in():
+        assert torch.equal(module[1].weight, start + 1.0)  # one update behind the policy (start + 2)
+    lagged.stage()
+    step()          # ... skipped: no commit, the reference stays one applied update behind
+    restored = Anchor.snapshot(_module(), offload=offload)
+    restored.load_state_dict(lagged.state_dict())
+    assert torch.equal(restored._saved[0], start + 1.0) and restored.refreshes == 1
+
+
 def test_anchor_rejects_a_checkpoint_of_other_shapes():
     anchor = Anchor.snapshot(_module())
     with pytest.raises(ValueError, match="shapes"):

@@ -56,6 +56,16 @@ def test_global_std_divides_by_the_std_of_all_scored_rewards():
                                rtol=1e-6, atol=1e-6)
 
 
+def test_global_std_uses_every_ranks_rewards_when_given():
+    mine = [0.0, 2.0]
+    everyone = mine + [10.0, 30.0, None]
+    adv = group_advantages(mine, [0, 0], global_std=True, all_rewards=everyone)
+    scale = torch.tensor([0.0, 2.0, 10.0, 30.0], dtype=torch.float64).std(unbiased=False)
+    torch.testing.assert_close(adv.values.double(), torch.tensor([-1.0, 1.0], dtype=torch.float64) / scale)
+    # This rank's rewards alone would give the group's own std: advantages of +-1.
+    assert group_advantages(mine, [0, 0], global_std=True).values.abs().tolist() == [1.0, 1.0]
+
+
 def test_surrogate_on_policy_has_ratio_one_and_no_clipping():
     logp = torch.randn(8)
     adv = torch.randn(8)
@@ -89,6 +99,12 @@ def test_gaussian_mean_kl_closed_form():
 def test_stepwise_kl_is_mean_log_ratio():
     old, new = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
     assert float(stepwise_kl(old, new)) == pytest.approx((0.5 - 1.0) / 2)
+
+
+def test_controller_without_warmup_starts_at_the_initial_value_and_raises_it_while_kl_is_high():
+    ctl = AdaptiveKLController(initial=0.1, maximum=10.0, warmup_steps=0, target=1e-3)
+    assert ctl.value == 0.1
+    assert ctl.update(1e-2) == pytest.approx(0.11)
 
 
 def test_controller_warmup_is_linear_and_reaches_the_maximum_at_step_k():
