@@ -70,6 +70,10 @@ class RunSection(_Section):
     output_dir: str = "runs/sage-grpo"
     max_iterations: int = Field(10, ge=1)
     time_budget_minutes: float | None = Field(None, gt=0)
+    # After SIGTERM/SIGUSR1 the run finishes its iteration and checkpoints; if that takes longer than this (a reward
+    # that hangs, a stuck collective), it exits with the retryable code without a new checkpoint: the committed ones
+    # are intact, and the scheduler's kill (Kubernetes' grace period, Slurm's signal lead) must not come first.
+    preemption_grace_s: float = Field(240.0, gt=0, allow_inf_nan=False)
 
 
 class RunConfig(_Section):

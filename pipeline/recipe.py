@@ -16,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import signal
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -157,9 +159,17 @@ class SageGRPORecipe:
     # ------------------------------------------------------------------------------------------------------------
 
     def train(self) -> RunSummary:
+        try:
+            return self._train()
+        except BaseException:
+            if distributed.is_main():  # closed as FAILED, not left RUNNING; the error itself reaches the CLI
+                self.tracker.finish("FAILED")
+            raise
+
+    def _train(self) -> RunSummary:
         config, progress = self.config, self.progress
         status, started = "completed", time.monotonic()
-        with preemption_signals() as preempted:
+        with preemption_signals(config.run.preemption_grace_s) as preempted:
             while progress.iteration < config.run.max_iterations:
                 metrics = self.train_step()
                 if self.eval_scorer and progress.iteration % config.eval.every == 0:
@@ -353,14 +363,32 @@ class Audit:
 
 
 @contextmanager
-def preemption_signals():
+def preemption_signals(grace_s: float):
     """SIGTERM (Kubernetes, torchrun) and SIGUSR1 (Slurm's pre-timeout signal) ask the run to finish the current
-    iteration, checkpoint and exit with the retryable code; yields a function telling whether one arrived."""
+    iteration, checkpoint and exit with the retryable code; yields a function telling whether one arrived. If that
+    takes longer than ``grace_s``, the process exits with the retryable code at once (a watchdog thread): what was
+    committed stays committed (a half-written step has no manifest), and the restart resumes from it."""
     received = []
+
+    def on_signal(signum, frame):
+        if not received:
+            watchdog = threading.Timer(grace_s, _exit_retryable, args=(signal.Signals(signum).name, grace_s))
+            watchdog.daemon = True
+            watchdog.start()
+        received.append(signum)
+
     handled = (signal.SIGTERM, signal.SIGUSR1)
-    previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum)) for sig in handled}
+    previous = {sig: signal.signal(sig, on_signal) for sig in handled}
     try:
         yield lambda: bool(received)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _exit_retryable(signal_name: str, grace_s: float) -> None:
+    logger.error("%s: the iteration and its checkpoint did not finish within run.preemption_grace_s=%gs; exiting "
+                 "with %d without a new checkpoint (resume continues from the last committed one)", signal_name,
+                 grace_s, RETRYABLE_EXIT_CODE)
+    logging.shutdown()
+    os._exit(RETRYABLE_EXIT_CODE)
