@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The scheduled fine-tuning run (pipeline/schedule.py): newest prompt set, train (resume or new), evaluate, promote.
+# The scheduled fine-tuning run (pipeline/schedule.py): newest prompt set, train (resume or new; a completed run
+# registers itself as the challenger), promote (the config's registry gate on its tracking server).
 # For cron on a host, or as the CronJob's command (infra/k8s/base/cronjob.yaml); arguments go to `sagegrpo schedule`:
 #
 #   infra/scheduled_run.sh --config configs/hunyuanvideo15_sage_lora.yaml --prompts s3://BUCKET/prompts \

@@ -1,10 +1,20 @@
-"""The scheduled fine-tuning run: newest prompt set -> train -> evaluate -> promote, safe to start any number of times.
+"""The scheduled fine-tuning run: newest prompt set -> train -> promote, safe to start any number of times.
 
 Layout under the checkpoint root (a local folder or ``s3://bucket/prefix``)::
 
     ROOT/sage-2026-12-03/                   one scheduled run, named by the day it started; its checkpoints live here
     ROOT/sage-2026-12-03/schedule/prompt_set    the prompt set the run started with (a resumed run keeps it)
     ROOT/sage-2026-12-03/schedule/train.done    one marker per finished step, written only after the step exits 0
+
+Steps: ``train`` runs ``sagegrpo run`` with ``registry.model_name`` set to ``--model`` and ``registry.promote=false``:
+a completed run evaluates its final policy on the held-out prompts, exports it and registers it as the model's
+``challenger`` with the eval metrics as tags. ``promote`` then runs the gate of the config's ``registry`` section
+(primary metric, margin, guards) on the challenger against the ``champion``, on the config's tracking server. Runs
+started before this layout also have an ``evaluate`` step marker; it is ignored (the run-end publish evaluates).
+
+The registry outlives each run, so the config must name a shared MLflow server (``tracking.tracking_uri``); a run's
+embedded store would hold one version each day and promote every one of them. This is checked, with the rest of the
+config, before anything starts.
 
 Decision (``decide``, pure): an unfinished scheduled run is finished first, from its first step without a marker
 (training always passes ``--resume auto``, so a half-trained run continues from its newest committed checkpoint);
@@ -34,7 +44,7 @@ from typing import Literal
 
 from core.errors import UserError
 
-STEPS = ("train", "evaluate", "promote")
+STEPS = ("train", "promote")
 RUN_PREFIX = "sage"
 _RUN_NAME = re.compile(rf"^{RUN_PREFIX}-\d{{4}}-\d{{2}}-\d{{2}}$")
 
@@ -168,21 +178,35 @@ def read_runs(root: Store) -> list[RunState]:
     return runs
 
 
+def run_overrides(decision: Decision, args: ScheduleOptions, root: Store) -> list[str]:
+    """The config overrides that make training one scheduled run: its identity and checkpoints under the checkpoint
+    root, outputs and caches on local disk, its prompt set, and registration of the result as the challenger."""
+    return [f"run.name={decision.run_name}", f"run.output_dir={Path(args.work_dir) / decision.run_name}",
+            f"checkpoint.uri={root.join(decision.run_name)}/checkpoints",
+            f"data.source={Store(args.prompts).join(decision.prompt_set)}",
+            f"registry.model_name={args.model}", "registry.promote=false"]
+
+
 def step_command(step: str, decision: Decision, args: ScheduleOptions, root: Store) -> list[str]:
     """The command line of one step. Training runs under pipeline.launch so a checkpointed stop keeps status 75."""
-    # Checkpoints (and the run's identity) live under the checkpoint root; outputs and caches on local disk.
-    run_config = [f"run.name={decision.run_name}", f"run.output_dir={Path(args.work_dir) / decision.run_name}",
-                  f"checkpoint.uri={root.join(decision.run_name)}/checkpoints",
-                  f"data.source={Store(args.prompts).join(decision.prompt_set)}"]
     if step == "train":
         return [
             sys.executable, "-m", "pipeline.launch", "--standalone", f"--nproc-per-node={args.nproc_per_node}",
             "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1", "--shutdown-timeout=300", "--no-python",
-            "sagegrpo", "run", args.config, *run_config, "--resume", "auto",
+            "sagegrpo", "run", args.config, *run_overrides(decision, args, root), "--resume", "auto",
         ]
-    if step == "evaluate":
-        return ["sagegrpo", "eval", args.config, *run_config, "--checkpoint", "auto"]
-    return ["sagegrpo", "promote", "--model", args.model]
+    # The gate's settings and the tracking URI come from the config, never the command line, which is logged.
+    return ["sagegrpo", "promote", "--config", args.config, "--model", args.model]
+
+
+def check_config(decision: Decision, args: ScheduleOptions, root: Store) -> None:
+    """The run config as training will see it, validated before any step starts (one line if it is wrong)."""
+    from pipeline.config import load_run_config
+
+    config = load_run_config(args.config, run_overrides(decision, args, root))
+    if not config.tracking.tracking_uri:
+        raise UserError(f"{args.config}: the scheduled run needs tracking.tracking_uri, a shared MLflow server: the "
+                        f"model registry must outlive each run")
 
 
 def run_relaying_stop_signals(command: list[str]) -> int:
@@ -202,6 +226,8 @@ def run_schedule(args: ScheduleOptions) -> int:
     root = Store(args.checkpoint_root)
     decision = decide(args.date or date.today(), Store(args.prompts).children(), read_runs(root))
     print(f"schedule: {decision.action}: {decision.reason}", flush=True)
+    if decision.steps:
+        check_config(decision, args, root)
     if decision.action == "new" and not args.dry_run:
         root.write(decision.prompt_set + "\n", decision.run_name, "schedule", "prompt_set")
     for step in decision.steps:

@@ -310,3 +310,34 @@ def test_promote_cli_prints_the_decision_and_reports_unknown_models_as_user_erro
         run("--model", model_name, "--version", "7")
     with pytest.raises(UserError, match="METRIC=TOLERANCE"):
         run("--model", model_name, "--guard", "eval/aesthetic")
+
+
+def test_promote_cli_takes_the_gate_and_tracking_server_from_a_run_config(
+        client, model_name, trained, run_id, server, tmp_path, capsys):
+    import yaml
+
+    from pipeline.cli import build_parser
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "data": {"source": "prompts.txt"}, "tracking": {"tracking_uri": server.url},
+        "registry": {"model_name": model_name, "margin": 0.2, "guards": {"eval/aesthetic": 0.1}},
+    }))
+    parser = build_parser()
+    run = lambda *argv: (args := parser.parse_args(["promote", "--config", str(config), *argv])).handler(args)
+    champion = register(client, model_name, trained, run_id, step=1, **{"eval/reward": 0.5, "eval/aesthetic": 0.8})
+    assert run() == 0  # no --model, no --tracking-uri: both from the config
+
+    register(client, model_name, trained, run_id, step=2, **{"eval/reward": 0.6, "eval/aesthetic": 0.8})
+    run()
+    assert "did not promote" in capsys.readouterr().out.splitlines()[-1]
+    assert "margin 0.2" in client.get_model_version(model_name, "2").tags[DECISION_TAG]
+
+    register(client, model_name, trained, run_id, step=3, **{"eval/reward": 0.9, "eval/aesthetic": 0.6})
+    run("--margin", "0.05")  # the flag wins over the config; the config's guard still applies
+    assert "guarded eval/aesthetic" in client.get_model_version(model_name, "3").tags[DECISION_TAG]
+    assert aliases(client, model_name)[CHAMPION] == champion.version
+
+    with pytest.raises(UserError, match="needs --model"):
+        config.write_text(yaml.safe_dump({"data": {"source": "prompts.txt"}}))
+        run()

@@ -343,7 +343,18 @@ def test_an_unfinished_run_is_resumed_from_its_first_unfinished_step_on_its_own_
     assert decision.action == "resume"
     assert decision.run_name == "sage-2026-12-01"
     assert decision.prompt_set == "2026-11-20"
-    assert decision.steps == ("evaluate", "promote")
+    assert decision.steps == ("promote",)
+
+
+def test_markers_of_runs_from_before_the_evaluate_step_was_dropped_still_read(tmp_path):
+    root = schedule.Store(str(tmp_path))
+    for name, steps in (("sage-2026-12-01", ("train", "evaluate", "promote")), ("sage-2026-12-02", ("train", "evaluate"))):
+        root.write("2026-12-01\n", name, "schedule", "prompt_set")
+        for step in steps:
+            root.write("", name, "schedule", f"{step}.done")
+    complete, unfinished = schedule.read_runs(root)
+    assert complete.done and not unfinished.done
+    assert schedule.decide(TODAY, PROMPT_SETS, [complete, unfinished]).steps == ("promote",)
 
 
 def test_unscheduled_runs_are_ignored_and_missing_prompts_are_a_user_error():
@@ -353,11 +364,21 @@ def test_unscheduled_runs_are_ignored_and_missing_prompts_are_a_user_error():
         schedule.decide(TODAY, PROMPT_SETS, [_run("sage-2026-12-01", prompt_set=None)])
 
 
-def _args(tmp_path: Path, day: str = "2026-12-03", dry_run: bool = False) -> schedule.ScheduleOptions:
+def _config(tmp_path: Path, tracking_uri: str | None = "http://mlflow.example:5000") -> Path:
+    """The demo config on a shared tracking server, as the scheduled run needs."""
+    config = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    config["tracking"] = {"tracking_uri": tracking_uri}
+    path = tmp_path / "scheduled.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _args(tmp_path: Path, day: str = "2026-12-03", dry_run: bool = False,
+          config: Path | None = None) -> schedule.ScheduleOptions:
     prompts = tmp_path / "prompts"
     for name in ("2026-12-01", "2026-12-02"):
         (prompts / name).mkdir(parents=True, exist_ok=True)
-    return schedule.ScheduleOptions("configs/x.yaml", str(prompts), str(tmp_path / "ckpt"), "m",
+    return schedule.ScheduleOptions(str(config or _config(tmp_path)), str(prompts), str(tmp_path / "ckpt"), "m",
                                     date=date.fromisoformat(day), dry_run=dry_run)
 
 
@@ -412,6 +433,33 @@ def test_train_step_runs_under_the_launcher_with_resume_auto(tmp_path):
     assert f"data.source={tmp_path}/prompts/2026-12-02" in command
     assert f"checkpoint.uri={tmp_path}/ckpt/sage-2026-12-03/checkpoints" in command
     assert "run.output_dir=/cache/runs/sage-2026-12-03" in command
+    # The run registers its result as the challenger; the gate is the separate promote step.
+    assert {"registry.model_name=m", "registry.promote=false"} <= set(command)
+
+
+def test_promote_step_gates_with_the_configs_registry_settings(tmp_path):
+    args = _args(tmp_path)
+    decision = schedule.Decision("new", "sage-2026-12-03", "2026-12-02", schedule.STEPS, "")
+    command = schedule.step_command("promote", decision, args, schedule.Store(args.checkpoint_root))
+    assert command[:2] == ["sagegrpo", "promote"]
+    assert command[command.index("--config") + 1] == args.config
+    assert command[command.index("--model") + 1] == "m"
+    assert not any(part.startswith("--tracking-uri") for part in command)  # may hold credentials: logged lines
+
+
+@pytest.mark.parametrize("problem, tracking_uri, message", [
+    ("no shared tracking server", None, "needs tracking.tracking_uri"),
+    ("an invalid config", "http://mlflow:5000", "update.learning_rate"),
+])
+def test_a_config_the_scheduled_run_cannot_use_is_refused_before_any_step(tmp_path, steps, problem, tracking_uri,
+                                                                           message):
+    ran, _ = steps
+    config = _config(tmp_path, tracking_uri)
+    if problem == "an invalid config":
+        config.write_text(config.read_text().replace("learning_rate: 0.003", "learning_rate: -1"))
+    with pytest.raises(UserError, match=message):
+        schedule.run_schedule(_args(tmp_path, config=config))
+    assert ran == [] and not (tmp_path / "ckpt").exists()
 
 
 
