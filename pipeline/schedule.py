@@ -138,7 +138,8 @@ class Store:
             return sorted(child.name for child in folder.iterdir()) if folder.is_dir() else []
         prefix = self._key(*parts) + "/" if self._key(*parts) else ""
         names = set()
-        for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=self._bucket, Prefix=prefix, Delimiter="/"):
+        pages = self._s3.get_paginator("list_objects_v2").paginate(Bucket=self._bucket, Prefix=prefix, Delimiter="/")
+        for page in pages:
             names.update(p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", []))
             names.update(o["Key"][len(prefix):] for o in page.get("Contents", []) if o["Key"] != prefix)
         return sorted(names)

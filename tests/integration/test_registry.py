@@ -16,7 +16,6 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from core import registry
 from core.errors import UserError
 from core.export import LORA_WEIGHT_NAME, export_full, export_lora, model_record
 from core.lora import LoraConfig, add_lora

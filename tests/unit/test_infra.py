@@ -2,7 +2,6 @@
 a checkpointed stop (exit 75), no secret is inlined, the Slurm script requeues on its pre-timeout signal, and the
 scheduled run never trains the same day twice."""
 
-import argparse
 import fcntl
 import json
 import os
@@ -12,16 +11,16 @@ import signal
 import subprocess
 import sys
 import time
-import tomllib
 from datetime import date
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 from packaging.requirements import Requirement
 
-from pipeline import launch, schedule
 from core.errors import RETRYABLE_EXIT_CODE, UserError
+from pipeline import launch, schedule
 
 pytestmark = pytest.mark.unit
 
@@ -348,7 +347,8 @@ def test_an_unfinished_run_is_resumed_from_its_first_unfinished_step_on_its_own_
 
 def test_markers_of_runs_from_before_the_evaluate_step_was_dropped_still_read(tmp_path):
     root = schedule.Store(str(tmp_path))
-    for name, steps in (("sage-2026-12-01", ("train", "evaluate", "promote")), ("sage-2026-12-02", ("train", "evaluate"))):
+    old_layout = {"sage-2026-12-01": ("train", "evaluate", "promote"), "sage-2026-12-02": ("train", "evaluate")}
+    for name, steps in old_layout.items():
         root.write("2026-12-01\n", name, "schedule", "prompt_set")
         for step in steps:
             root.write("", name, "schedule", f"{step}.done")
