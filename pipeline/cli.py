@@ -141,6 +141,28 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _add_check_reward(subparsers) -> None:
+    parser = subparsers.add_parser("check-reward", help="build a reward, score synthetic videos with real prompts")
+    parser.add_argument("target", metavar="SPEC|CONFIG",
+                        help="run or rewards YAML, or a reward name / package.module:Class")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                        help="config overrides, or the spec's (kwargs.x=1)")
+    parser.add_argument("--data", metavar="SOURCE", help="prompt file (.txt/.jsonl/.csv, path or s3://) instead of "
+                                                        "the config's")
+    parser.add_argument("--videos", type=int, default=4, help="synthetic videos to score (default 4)")
+    parser.add_argument("--size", metavar="FxHxW", help="frames x height x width (default: model.kwargs, else 9x64x64)")
+    parser.add_argument("--device", help="device for the reward (default: cuda if available, else cpu)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(handler=_check_reward)
+
+
+def _check_reward(args) -> int:
+    from pipeline.check_reward import check_reward, parse_size
+
+    return check_reward(args.target, list(args.overrides), data=args.data, num_videos=args.videos,
+                        size=parse_size(args.size) if args.size else None, device=args.device, seed=args.seed)
+
+
 def _add_preflight(subparsers) -> None:
     parser = subparsers.add_parser("preflight", help="two short iterations of the real run on this node: pass/fail "
                                                      "checks to run before spending GPU-hours")
@@ -288,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect_sde(subparsers)
     _add_config(subparsers)
     _add_env(subparsers)
-    for add in (_add_preflight, _add_serve_reward, _add_plan, _add_promote, _add_schedule):
+    for add in (_add_preflight, _add_check_reward, _add_serve_reward, _add_plan, _add_promote, _add_schedule):
         add(subparsers)
     return parser
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import warnings
@@ -67,6 +68,10 @@ def _summary_text(config: RunConfig, summary) -> str:
     if summary.history:
         first, last = summary.history[0], summary.history[-1]
         lines.append(f"  reward:      {first['reward/mean']:.4f} (first iteration) -> {last['reward/mean']:.4f} (last)")
+        unscored = [h["iteration"] for h in summary.history if math.isnan(h["reward/mean"])]
+        if unscored:
+            lines.append(f"  WARNING:     no sample was scored in iteration(s) {unscored[:10]}: reward nan, nothing "
+                         "learned there (see reward/failed_samples)")
     if summary.tracking_uri:
         lines.append(f"  MLflow run:  {summary.run_id} at {summary.tracking_uri}")
         if summary.tracking_uri.startswith("sqlite:"):

@@ -111,9 +111,12 @@ class SageGRPORecipe:
         if len(self.train_prompts) < config.rollout.prompts_per_rank * distributed.world_size():
             raise UserError(f"{len(self.train_prompts)} training prompts cannot fill rollout.prompts_per_rank="
                             f"{config.rollout.prompts_per_rank} on {distributed.world_size()} rank(s)")
-        self._setup_policy()
+        # Rewards before the model: a reward that cannot be built, or needs a column no prompt has, stops the run
+        # before minutes of model loading.
         self.scorer = self._build_scorer()
+        self.scorer.check_metadata([p.metadata for p in self.prompt_set.train])
         self.eval_scorer = self._build_scorer(evaluation=True) if self.eval_prompts and config.eval.every else None
+        self._setup_policy()
         self.sampler = PromptSampler(len(self.train_prompts), config.rollout.prompts_per_rank, distributed.rank(),
                                      distributed.world_size(), config.seed)
         self.checkpointer = Checkpointer(config, self.policy.engine, {
@@ -129,18 +132,20 @@ class SageGRPORecipe:
         """Only what evaluating or sampling a (saved) policy needs; nothing is logged to MLflow."""
         distributed.init(self.config.deepspeed.collective_timeout_minutes)
         self._setup_prompts()
-        self._setup_policy()
         self.eval_scorer = self._build_scorer(evaluation=True)
+        self._setup_policy()
         self.tracker = Tracker(self.config.tracking.model_copy(update={"enabled": False}), self.config.output_dir)
         if checkpoint:
             Checkpointer(self.config, self.policy.engine, {"updater": self.policy.updater}).load(
                 checkpoint, same_run=False, require=True)
 
     def _setup_prompts(self) -> None:
-        prompts = ingest(self.config.data)
-        logger.info("prompts: %s", prompts.report.summary())
-        self.train_prompts = [p.text for p in prompts.train]
-        self.eval_prompts = [p.text for p in prompts.eval][: self.config.eval.num_prompts]
+        self.prompt_set = ingest(self.config.data)
+        logger.info("prompts: %s", self.prompt_set.report.summary())
+        self.train_prompts = [p.text for p in self.prompt_set.train]
+        held_out = self.prompt_set.eval[: self.config.eval.num_prompts]
+        self.eval_prompts = [p.text for p in held_out]
+        self.eval_metadata = [p.metadata for p in held_out]
 
     def _setup_policy(self) -> None:
         self.policy = build_policy(self.config)
@@ -150,7 +155,7 @@ class SageGRPORecipe:
     def _build_scorer(self, *, evaluation: bool = False) -> Scorer:
         config = self.config
         specs = config.rewards + (config.eval.metrics if evaluation else [])
-        scorer = Scorer(specs, retries=config.scoring.retries, retry_delay_s=config.scoring.retry_delay_s)
+        scorer = Scorer(specs, **config.scoring.model_dump())
         scorer.setup(distributed.device())
         return scorer
 
@@ -198,7 +203,8 @@ class SageGRPORecipe:
                            batch_size=config.update.micro_batch_size, embeddings=self.embeddings(batch_prompts))
         timings["time/rollout"], clock = time.perf_counter() - clock, time.perf_counter()
 
-        scored = self.scorer.score(VideoBatch.from_tensor(rollout.videos, policy.adapter.fps), rollout.sample_prompts)
+        scored = self.scorer.score(VideoBatch.from_tensor(rollout.videos, policy.adapter.fps), rollout.sample_prompts,
+                                   self.prompt_set.metadata_for(rollout.group_ids))
         timings["time/score"], clock = time.perf_counter() - clock, time.perf_counter()
 
         advantages = group_advantages(scored.total, rollout.group_ids, global_std=config.update.global_std,
@@ -241,7 +247,8 @@ class SageGRPORecipe:
                                      seed=self.config.eval.seed, out_dir=out_dir,
                                      batch_size=self.config.update.micro_batch_size,
                                      write_videos=self.config.eval.write_videos, write=distributed.is_main(),
-                                     embeddings=self.embeddings(self.eval_prompts))
+                                     embeddings=self.embeddings(self.eval_prompts),
+                                     prompt_metadata=self.eval_metadata)
         for video in result.videos:
             self.tracker.log_artifact(video, f"eval/iteration-{iteration:05d}")
         metrics = distributed.broadcast_from_main(result.metrics)

@@ -29,14 +29,16 @@ class Evaluation:
 
 
 def evaluate(adapter, prompts: list[str], sde_config: SDEConfig, scorer: Scorer, *, seed: int, out_dir: Path,
-             batch_size: int, write_videos: int, write: bool, embeddings=None) -> Evaluation:
+             batch_size: int, write_videos: int, write: bool, embeddings=None,
+             prompt_metadata: list[dict] | None = None) -> Evaluation:
+    """``prompt_metadata``: each prompt's extra columns, passed to the rewards that take them (one video per prompt)."""
     deterministic = SDEConfig(variant="ode", steps=sde_config.steps, shift=sde_config.shift)
     rollout = generate(adapter, prompts, 1, deterministic, seed, batch_size=batch_size, progress=False,
                        embeddings=embeddings)
     if not write:
         return Evaluation(metrics={})
     videos = VideoBatch.from_tensor(rollout.videos, adapter.fps)
-    scored = scorer.score(videos, rollout.sample_prompts)
+    scored = scorer.score(videos, rollout.sample_prompts, prompt_metadata)
     metrics = {f"eval/{name}": _mean(values) for name, values in scored.dimensions.items()}
     metrics["eval/reward"] = _mean(scored.total)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -26,12 +26,25 @@ def test_paper_configs_hold_the_papers_settings():
     assert (config.sde.steps, config.sde.shift, config.sde.eta, config.model.guidance_scale) == (20, 5.0, 0.5, 6.0)
     assert config.rewards[0].explicit_weights() == {"VQ": 0.5, "MQ": 0.5, "TA": 1.0}
     assert config.trust_region.strategy.value == "dual" and config.update.learning_rate == 1e-5
-    baselines = {p.stem.split("_")[1]: load_run_config(p) for p in CONFIGS if p.stem.endswith("_lora")}
-    assert set(baselines) == {"sage", "dance", "flow", "cps"}
-    for name, other in baselines.items():
-        assert other.sde.variant == name
-        assert other.model_dump(exclude={"sde", "run", "checkpoint"}) == config.model_dump(
+    assert config.trust_region.preset == "calibrated"
+
+
+def test_baselines_differ_from_sage_only_in_the_sampler_and_say_which_keys_differ():
+    sage = load_run_config(REPO / "configs" / "hunyuanvideo15_sage_lora.yaml")
+    arms = {p.stem.removeprefix("hunyuanvideo15_").removesuffix("_lora"): (p, load_run_config(p))
+            for p in CONFIGS if p.stem.endswith("_lora") and "_sage_" not in p.stem}
+    assert set(arms) == {"dance", "flow", "cps", "dance_eta05", "flow_eta05"}
+    for name, (path, other) in arms.items():
+        variant = name.split("_")[0]
+        assert other.sde.variant == variant
+        assert other.model_dump(exclude={"sde", "run", "checkpoint"}) == sage.model_dump(
             exclude={"sde", "run", "checkpoint"})
+        assert other.sde.steps == sage.sde.steps and other.sde.shift == sage.sde.shift
+        header = path.read_text().split("seed:")[0]
+        if other.sde.eta == sage.sde.eta:
+            assert "only sde.variant differs" in header, path.name
+        else:  # the variant's own eta: the header must not claim one difference
+            assert "sde.variant and sde.eta" in header and (REPO / "configs" / f"hunyuanvideo15_{variant}_eta05_lora.yaml").exists()
 
 
 def test_overrides_are_typed():
@@ -72,7 +85,8 @@ def test_the_saved_config_masks_secrets_but_keeps_the_rest():
     from core.tracking import masked_config
 
     config = load_run_config(REPO / "configs" / "demo.yaml", [
-        "rewards=[{name: remote, kwargs: {url: 'http://user:hunter2@rewards:8000', api_token: s3cr3t}}]",
+        "rewards=[{name: 'tests.fixtures.user_rewards.safety:HostedJudge', "
+        "kwargs: {url: 'http://user:hunter2@rewards:8000', api_token: s3cr3t}}]",
         "checkpoint.uri=s3://bucket/ckpt"])
     saved = masked_config(config)
     text = str(saved)
