@@ -787,11 +787,17 @@ class CheckpointStore:
         # Steps after the pointer are skipped: they are either a commit whose pointer write was lost in a crash or
         # the abandoned branch of a run that was restarted from an older step; resuming one could mix timelines.
         candidates = [step for step in reversed(self.list_steps()) if pointer is None or step <= pointer]
+        owner = self.owner()
         for step in candidates:
             try:
-                self.verify(step)
+                written_by = self.verify(step).run_id
             except CheckpointError as error:
                 logger.warning("skipping checkpoint %s/%s: %s", self.uri, step_dir(step), error)
+                continue
+            if owner is not None and written_by not in (None, owner):
+                # Left by the run this root was taken over from: resuming it would splice two runs together.
+                logger.warning("skipping checkpoint %s/%s: written by run %s, not by the owner %s", self.uri,
+                               step_dir(step), written_by, owner)
                 continue
             if step != pointer:
                 logger.warning("resuming from %s/%s, the newest verified checkpoint (latest was %s)",
@@ -800,11 +806,10 @@ class CheckpointStore:
                 logger.info("resuming from %s/%s", self.uri, step_dir(step))
             return step
         if candidates and not fresh_start:
-            raise CheckpointError(f"every checkpoint under {self.uri} fails verification (steps "
-                                  f"{sorted(candidates)}); they are kept. Start over only deliberately: --fresh-start")
+            raise CheckpointError(f"no checkpoint under {self.uri} can be resumed: steps {sorted(candidates)} fail "
+                                  "verification (they are kept); start over only deliberately: --fresh-start")
         if candidates:
-            logger.warning("every checkpoint under %s fails verification; starting fresh as asked, keeping them",
-                           self.uri)
+            logger.warning("no checkpoint under %s can be resumed; starting fresh as asked, keeping them", self.uri)
         else:
             logger.info("no checkpoint under %s; starting from scratch", self.uri)
         return None

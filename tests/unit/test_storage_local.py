@@ -372,7 +372,7 @@ def test_auto_refuses_when_every_checkpoint_fails_verification_unless_fresh_star
         flip_byte(root / f"step-{step}" / SHARD)
     broken = {step: (root / f"step-{step}" / SHARD).read_bytes() for step in (1, 2, 3)}
 
-    with pytest.raises(CheckpointError, match="every checkpoint") as refused:
+    with pytest.raises(CheckpointError, match="no checkpoint .* can be resumed") as refused:
         store.resolve("auto")
     assert "\n" not in str(refused.value)
     assert store.resolve("auto", fresh_start=True) is None
@@ -435,6 +435,18 @@ def test_prune_never_deletes_another_runs_steps(tmp_path, root, store):
                      run_id="run-b")
     assert store.prune(keep_last=2, run_id="run-b") == [4, 5]
     assert store.list_steps() == [1, 2, 3, 6, 7]
+
+
+def test_auto_never_resumes_a_step_of_the_run_the_root_was_taken_over_from(tmp_path, root, store):
+    for step in (1, 3):
+        store.commit(stage_checkpoint(tmp_path / f"a{step}", seed=step), step, world_size=2, config_hash="c",
+                     run_id="run-a")
+    store.claim("run-b", take_over=True)
+    for step in (2, 4):
+        store.commit(stage_checkpoint(tmp_path / f"b{step}", seed=step), step, world_size=2, config_hash="c",
+                     run_id="run-b")
+    flip_byte(root / "step-4" / SHARD)
+    assert store.resolve("auto") == 2  # not run A's step 3, although it is newer and verifies
 
 
 # --- Per-rank commits --------------------------------------------------------------------------------------------
