@@ -108,3 +108,43 @@ def broadcast_from_main(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def on_main(call):
+    """``call()`` on rank 0, its result on every rank; an exception it raises is raised on every rank (instead of
+    rank 0 failing while the others wait in the next collective until the timeout)."""
+    outcome = None
+    if is_main():
+        try:
+            outcome = ("ok", call())
+        except Exception as error:  # noqa: BLE001 - re-raised below, on every rank
+            outcome = ("error", error)
+    kind, value = broadcast_from_main(outcome)
+    if kind == "error":
+        raise value
+    return value
+
+
+def gather_or_raise(call) -> list:
+    """``call()`` on every rank, the list of all ranks' results on every rank; if any rank raised, every rank raises
+    the first such error (by rank)."""
+    try:
+        outcome = ("ok", call())
+    except Exception as error:  # noqa: BLE001 - re-raised below, on every rank
+        outcome = ("error", error)
+    outcomes = [outcome]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, outcome)
+    for kind, value in outcomes:
+        if kind == "error":
+            raise value
+    return [value for _, value in outcomes]
+
+
+def node_leader() -> bool:
+    """True on the lowest rank of each host: the one that fetches files every rank of its host reads."""
+    import socket
+
+    hosts = gather_or_raise(socket.gethostname)
+    return hosts.index(hosts[rank()]) == rank()

@@ -15,6 +15,7 @@ import json
 import logging
 import random
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,7 +24,7 @@ import torch
 from core import distributed
 from core.errors import UserError
 from core.safe_load import load_engine_checkpoint
-from core.storage import load_torch
+from core.storage import FileEntry, load_torch
 from pipeline.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,13 @@ def config_hash(config: RunConfig) -> str:
 
 class Checkpointer:
     """``save(step, force=...)`` at the end of every iteration (it knows whether one is due); ``load(resume)`` once
-    after everything it restores is built. ``states`` names the objects saved per rank beside the engine."""
+    after everything it restores is built. ``states`` names the objects saved per rank beside the engine.
+
+    A checkpoint root belongs to one run (``run_id``, claimed in the store): a second run pointed at the same root is
+    refused, and pruning never touches another run's steps. Every rank stages into its own folder and uploads its own
+    files, and the committer writes the manifest once every rank's upload is confirmed, so ranks on different nodes
+    need no shared filesystem. A store outage past its retry bound is ``StoreUnavailable`` on every rank (exit 75):
+    the staging is kept and the committed steps are intact."""
 
     def __init__(self, config: RunConfig, engine, states: dict[str, Stateful]):
         self.store = config.checkpoint.build(config.output_dir)
@@ -68,6 +75,7 @@ class Checkpointer:
         self.config_hash = config_hash(config)
         self.work_dir = config.output_dir
         self.last_step: int | None = None
+        self.run_id: str | None = None
 
     @property
     def uri(self) -> str | None:
@@ -77,47 +85,60 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
 
+    def claim(self, *, fresh_start: bool = False) -> None:
+        """Make the root this run's before it trains (a new identity unless :meth:`load` resumed one); a root that
+        another run owns is a one-line refusal unless ``fresh_start`` takes it over (its steps stay untouched)."""
+        if self.run_id is None:
+            self.run_id = distributed.broadcast_from_main(uuid.uuid4().hex)
+        distributed.on_main(lambda: self.store.claim(self.run_id, take_over=fresh_start))
+
     def save(self, step: int, *, force: bool = False, metrics: dict[str, float] | None = None) -> bool:
         """Write step ``step`` if it is due or ``force``d; ``metrics`` go into the manifest, where the retention
         policy (``checkpoint.best_metric``) reads them. Collective: every rank calls it with the same arguments."""
         if not (force or self.due(step)):
             return False
-        staging = self.work_dir / "checkpoint-staging" / f"step-{step}"
-        if distributed.is_main():
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-        distributed.barrier()
+        staging = self.work_dir / "checkpoint-staging" / f"step-{step}" / f"rank-{distributed.rank()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        distributed.on_main(lambda: self.store.begin_step(step, run_id=self.run_id))
         # save_latest=False: DeepSpeed's own "latest" would be written before every rank finished; our manifest commits.
         self.engine.save_checkpoint(str(staging), tag=ENGINE_TAG, save_latest=False)
         torch.save({name: state.state_dict() for name, state in self.states.items()}, self._rank_file(staging))
+        reported = distributed.gather_or_raise(
+            lambda: [entry.model_dump() for entry in self.store.upload_rank_files(step, distributed.rank(), staging)])
+        distributed.on_main(lambda: self._commit(step, reported, metrics))
+        shutil.rmtree(staging, ignore_errors=True)
         distributed.barrier()
         if distributed.is_main():
-            self.store.commit(staging, step, world_size=distributed.world_size(), config_hash=self.config_hash,
-                              extra={**(metrics or {}), "iteration": step})
-            self.store.prune(keep_last=self.retention.keep_last, best_metric=self.retention.best_metric,
-                             higher_is_better=self.retention.higher_is_better)
-            shutil.rmtree(staging, ignore_errors=True)
-            logger.info("checkpoint step-%d committed to %s", step, self.store.uri)
-        distributed.barrier()
+            shutil.rmtree(staging.parent, ignore_errors=True)
         self.last_step = step
         return True
 
-    def load(self, resume: str, *, same_run: bool = True, require: bool = False) -> int | None:
+    def _commit(self, step: int, reported: list[list[dict]], metrics: dict[str, float] | None) -> None:
+        rank_files = {rank: [FileEntry(**entry) for entry in entries] for rank, entries in enumerate(reported)}
+        self.store.commit_manifest(step, rank_files, world_size=distributed.world_size(),
+                                   config_hash=self.config_hash, extra={**(metrics or {}), "iteration": step},
+                                   run_id=self.run_id)
+        self.store.prune(keep_last=self.retention.keep_last, best_metric=self.retention.best_metric,
+                         higher_is_better=self.retention.higher_is_better, run_id=self.run_id)
+        logger.info("checkpoint step-%d committed to %s", step, self.store.uri)
+
+    def load(self, resume: str, *, same_run: bool = True, require: bool = False, fresh_start: bool = False) -> int | None:
         """Restore the engine and every registered state from a verified checkpoint; return its step, or None when
         ``resume`` is ``auto`` and nothing is there yet. ``same_run`` (resuming) demands the config the checkpoint was
-        written with; evaluating or sampling a saved policy may change the sampler."""
-        step = self._resolve(resume)
+        written with and continues its run identity; evaluating or sampling a saved policy may change the sampler.
+        When checkpoints exist but none verifies, ``auto`` refuses unless ``fresh_start``."""
+        step = distributed.on_main(lambda: self.store.resolve(resume, fresh_start=fresh_start))
         if step is None:
             if require:
                 raise UserError(f"no verified checkpoint for {resume!r} in {self.store.uri}")
             logger.info("resume %s: no checkpoint found, starting a new run", resume)
             return None
-        self._check_compatible(step, same_run)
+        manifest = distributed.on_main(lambda: self.store.read_manifest(step))
+        self._check_compatible(step, manifest, same_run)
         local = self.work_dir / "checkpoint-restore" / f"step-{step}"
-        if distributed.is_main():
-            shutil.rmtree(local, ignore_errors=True)
-            self.store.download(step, local)  # verifies every file's size and sha256 before anything loads it
-        distributed.barrier()
+        leader = distributed.node_leader()  # one download per host; every rank of the host reads it
+        distributed.gather_or_raise(lambda: self._download(step, local) if leader else None)
         # A checkpoint is data: DeepSpeed's files load with weights_only forced (core.safe_load), ours with
         # weights_only=True, after every file's sha256 was verified against the manifest.
         load_engine_checkpoint(self.engine, local, ENGINE_TAG, load_module_strict=True)
@@ -125,18 +146,19 @@ class Checkpointer:
         for name, state in self.states.items():
             state.load_state_dict(saved[name])
         distributed.barrier()
-        if distributed.is_main():
+        if leader:
             shutil.rmtree(local, ignore_errors=True)
-            logger.info("loaded checkpoint step-%d of %s", step, self.store.uri)
+        logger.info("loaded checkpoint step-%d of %s", step, self.store.uri)
         self.last_step = step
+        if same_run:
+            self.run_id = distributed.on_main(lambda: manifest.run_id or self.store.owner())
         return step
 
-    def _resolve(self, resume: str) -> int | None:
-        step = self.store.resolve(resume) if distributed.is_main() else None
-        return distributed.broadcast_from_main(step)
+    def _download(self, step: int, local: Path) -> None:
+        shutil.rmtree(local, ignore_errors=True)
+        self.store.download(step, local)  # verifies every file's size and sha256 before anything loads it
 
-    def _check_compatible(self, step: int, same_run: bool) -> None:
-        manifest = self.store.read_manifest(step)
+    def _check_compatible(self, step: int, manifest, same_run: bool) -> None:
         if manifest.world_size != distributed.world_size():
             raise UserError(f"checkpoint step-{step} was written by {manifest.world_size} rank(s); resume it with "
                             f"the same number (ZeRO-3 partitions are per rank), not {distributed.world_size()}")

@@ -7,7 +7,7 @@ import math
 import sys
 from datetime import date
 
-from core.errors import UserError
+from core.errors import StoreUnavailable, UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,6 +48,9 @@ def _add_run(subparsers) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     parser.add_argument("--resume", metavar="auto|URI", help="continue from a checkpoint: auto = the newest verified")
     parser.add_argument("--max-iterations", type=int, help="shorthand for run.max_iterations=N")
+    parser.add_argument("--fresh-start", action="store_true",
+                        help="start a new run even if the checkpoint root holds another run's (or only broken) "
+                             "checkpoints; they are kept, never pruned")
     parser.set_defaults(handler=_run)
 
 
@@ -57,7 +60,8 @@ def _run(args) -> int:
     overrides = list(args.overrides)
     if args.max_iterations is not None:
         overrides.append(f"run.max_iterations={args.max_iterations}")
-    return run_command(args.config, overrides, resume=args.resume, verbosity=args.verbosity)
+    return run_command(args.config, overrides, resume=args.resume, fresh_start=args.fresh_start,
+                       verbosity=args.verbosity)
 
 
 def _add_eval(subparsers) -> None:
@@ -90,6 +94,22 @@ def _sample(args) -> int:
 
     return sample_command(args.config, list(args.overrides), args.prompt, args.checkpoint, args.out, args.seed,
                           verbosity=args.verbosity)
+
+
+def _add_export(subparsers) -> None:
+    parser = subparsers.add_parser("export", help="write a checkpoint's policy in the diffusers format (LoRA or full)")
+    parser.add_argument("config", help="the run config the checkpoint was trained with")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    parser.add_argument("--checkpoint", required=True, metavar="auto|N|URI",
+                        help="auto = the newest verified step, or a step number / step URI in checkpoint.uri")
+    parser.add_argument("--out", help="output folder (default: <run.output_dir>/exports/step-N)")
+    parser.set_defaults(handler=_export)
+
+
+def _export(args) -> int:
+    from pipeline.commands import export_command
+
+    return export_command(args.config, list(args.overrides), args.checkpoint, args.out, verbosity=args.verbosity)
 
 
 def _add_config(subparsers) -> None:
@@ -272,7 +292,7 @@ def _parse_guard(spec: str) -> tuple[str, float]:
 
 
 def _add_schedule(subparsers) -> None:
-    parser = subparsers.add_parser("schedule", help="the scheduled run: newest prompts, train, evaluate, promote")
+    parser = subparsers.add_parser("schedule", help="the scheduled run: newest prompts, train (registers the challenger), promote")
     parser.add_argument("--config", required=True, help="run config YAML")
     parser.add_argument("--prompts", required=True,
                         help="folder or s3:// prefix of prompt files, one per set, the newest sorting last "
@@ -308,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(subparsers)
     _add_sample(subparsers)
     _add_inspect_sde(subparsers)
+    _add_export(subparsers)
     _add_config(subparsers)
     _add_env(subparsers)
     for add in (_add_preflight, _add_check_reward, _add_serve_reward, _add_plan, _add_promote, _add_schedule):
@@ -335,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         print(f"sagegrpo: error: {error}", file=sys.stderr)
         return UserError.exit_code
+    except StoreUnavailable as error:
+        print(f"sagegrpo: checkpoint store unavailable (retryable, restart with --resume auto): {error}",
+              file=sys.stderr)
+        return StoreUnavailable.exit_code
     except KeyboardInterrupt:
         print("sagegrpo: interrupted", file=sys.stderr)
         return 130

@@ -43,13 +43,14 @@ def setup_logging(verbosity: int = 0) -> None:
         warnings.filterwarnings("ignore", category=category, module=rf"({modules})(\.|$)")
 
 
-def run_command(config_path: str, overrides: list[str], *, resume: str | None, verbosity: int = 0) -> int:
+def run_command(config_path: str, overrides: list[str], *, resume: str | None, fresh_start: bool = False,
+                verbosity: int = 0) -> int:
     config = load_run_config(config_path, overrides)
     setup_logging(verbosity)
     from pipeline.recipe import SageGRPORecipe
 
     recipe = SageGRPORecipe(config)
-    recipe.setup(resume=resume)
+    recipe.setup(resume=resume, fresh_start=fresh_start)
     summary = recipe.train()
     if distributed.is_main():
         print(_summary_text(config, summary), flush=True)
@@ -98,6 +99,18 @@ def sample_command(config_path: str, overrides: list[str], prompts: list[str], c
         paths = _recipe_with_policy(config_path, overrides, checkpoint, verbosity).sample(prompts, seed, Path(out))
     for path, prompt in zip(paths, prompts):
         print(f"{path}\t{prompt}")
+    return 0
+
+
+def export_command(config_path: str, overrides: list[str], checkpoint: str, out: str | None,
+                   verbosity: int = 0) -> int:
+    """The diffusers-format export of any checkpoint (``auto``: the newest verified one); prints its folder."""
+    with contextlib.redirect_stdout(sys.stderr):
+        recipe = _recipe_with_policy(config_path, overrides, checkpoint, verbosity)
+        out_dir = Path(out) if out else recipe.config.output_dir / "exports" / recipe.checkpoint_name
+        recipe.export(out_dir)
+    if distributed.is_main():
+        print(out_dir.resolve())
     return 0
 
 

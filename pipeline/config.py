@@ -37,7 +37,6 @@ class ModelConfig(_Section):
 class RolloutConfig(_Section):
     group_size: int = Field(4, ge=2)          # G: a group of one has no baseline
     prompts_per_rank: int = Field(2, ge=1)
-    batch_size: int = Field(4, ge=1)          # samples per transformer call during sampling
 
 
 class DeepSpeedConfig(_Section):

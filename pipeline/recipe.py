@@ -58,7 +58,8 @@ class RunSummary:
 
     @property
     def exit_code(self) -> int:
-        return RETRYABLE_EXIT_CODE if self.status == "preempted" else 0
+        """A run stopped early (preempted, or out of its time budget) checkpointed and is not done: retryable."""
+        return 0 if self.status == "completed" else RETRYABLE_EXIT_CODE
 
 
 @dataclass
@@ -101,7 +102,7 @@ class SageGRPORecipe:
     # Setup
     # ------------------------------------------------------------------------------------------------------------
 
-    def setup(self, resume: str | None = None) -> None:
+    def setup(self, resume: str | None = None, *, fresh_start: bool = False) -> None:
         config = self.config
         distributed.init(config.deepspeed.collective_timeout_minutes)
         config.output_dir.mkdir(parents=True, exist_ok=True)
@@ -122,7 +123,8 @@ class SageGRPORecipe:
         self.checkpointer = Checkpointer(config, self.policy.engine, {
             "updater": self.policy.updater, "sampler": self.sampler, "progress": self.progress, "rng": RNGState()})
         if resume:
-            self.checkpointer.load(resume)
+            self.checkpointer.load(resume, fresh_start=fresh_start)
+        self.checkpointer.claim(fresh_start=fresh_start)
         self.tracker = Tracker(config.tracking, config.output_dir)
         if distributed.is_main():
             self.progress.mlflow_run_id = self.tracker.start(config, run_id=self.progress.mlflow_run_id)
@@ -135,9 +137,11 @@ class SageGRPORecipe:
         self.eval_scorer = self._build_scorer(evaluation=True)
         self._setup_policy()
         self.tracker = Tracker(self.config.tracking.model_copy(update={"enabled": False}), self.config.output_dir)
+        self.checkpoint_name = "initial"
         if checkpoint:
-            Checkpointer(self.config, self.policy.engine, {"updater": self.policy.updater}).load(
+            step = Checkpointer(self.config, self.policy.engine, {"updater": self.policy.updater}).load(
                 checkpoint, same_run=False, require=True)
+            self.checkpoint_name = f"step-{step}"
 
     def _setup_prompts(self) -> None:
         self.prompt_set = ingest(self.config.data)
@@ -266,6 +270,16 @@ class SageGRPORecipe:
         fps = self.policy.adapter.fps
         return [evaluation.write_video(rollout.videos[i], fps, out_dir / f"sample_{i:02d}") for i in range(len(prompts))]
 
+    def export(self, out_dir: Path) -> Path:
+        """The policy in the diffusers format (a LoRA adapter, or the whole transformer consolidated from ZeRO-3),
+        with the base model recorded so the export (and a registered version) can be loaded back."""
+        from core import export
+
+        model = self.config.model
+        export.export_policy(self.policy.engine, out_dir,
+                             model=export.model_record(model.name, pretrained=model.pretrained, kwargs=model.kwargs))
+        return out_dir
+
     # ------------------------------------------------------------------------------------------------------------
     # The end of a run
     # ------------------------------------------------------------------------------------------------------------
@@ -289,13 +303,9 @@ class SageGRPORecipe:
         """Export the policy in the diffusers format (always); with ``registry.model_name``, register the export as
         the ``challenger`` with its eval metrics and, with ``registry.promote``, run the promotion gate. Idempotent:
         a run restarted after training finished comes straight here and registers the same version once."""
-        from core import export, registry
+        from core import registry
 
-        export_dir = self.config.output_dir / "exports" / f"step-{self.progress.iteration}"
-        if self.config.lora.enabled:
-            export.export_lora(self.policy.engine.module, export_dir)
-        else:
-            export.export_full(self.policy.engine, export_dir)
+        export_dir = self.export(self.config.output_dir / "exports" / f"step-{self.progress.iteration}")
         settings = self.config.registry
         if not settings.model_name:
             return export_dir
