@@ -66,6 +66,7 @@ from s3transfer.exceptions import RetriesExceededError
 from safetensors.torch import load_file
 
 from core.errors import StoreUnavailable, UserError
+from core.files import atomic_write_bytes, fsync_dir
 from core.secrets import mask_uri
 
 logger = logging.getLogger(__name__)
@@ -311,7 +312,7 @@ class LocalBackend:
             return None
 
     def write_bytes(self, key: str, data: bytes) -> None:
-        _atomic_write(self.root / key, data)
+        atomic_write_bytes(self.root / key, data)
 
     def upload_files(self, files: Sequence[tuple[Path, str]]) -> None:
         for source, key in files:
@@ -342,20 +343,20 @@ class LocalBackend:
 
     def move_tree(self, prefix: str, target: str) -> None:
         os.replace(self.root / prefix, self.root / target)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def create_exclusive(self, key: str, data: bytes) -> bool:
         path = self.root / key
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         try:
-            _atomic_write(temporary, data)
+            atomic_write_bytes(temporary, data)
             os.link(temporary, path)  # fails if path exists: no window in which a second writer could win too
         except FileExistsError:
             return False
         finally:
             temporary.unlink(missing_ok=True)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         return True
 
     def incoming(self, step: int) -> str:
@@ -971,21 +972,6 @@ class _HashingSink:
         return self._digest.hexdigest()
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(temporary, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
 def _durable_copy(source: Path, target: Path) -> None:
     with open(source, "rb") as reader, open(target, "wb") as writer:
         shutil.copyfileobj(reader, writer, _HASH_CHUNK)
@@ -1003,18 +989,10 @@ def _move_into_place(staging: Path, target: Path) -> None:
         shutil.rmtree(discarded, ignore_errors=True)
     else:
         os.replace(staging, target)
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
 
 
 def _fsync_dirs(root: Path) -> None:
     """fsync every directory under ``root`` so that the entries of the files in them survive a power loss."""
     for directory, _, _ in os.walk(root):
-        _fsync_dir(Path(directory))
-
-
-def _fsync_dir(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+        fsync_dir(Path(directory))

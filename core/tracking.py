@@ -135,6 +135,9 @@ def is_outage(error: Exception) -> bool:
     return isinstance(error, (requests.RequestException, ConnectionError, TimeoutError))
 
 
+IDENTITY_TAG = "sagegrpo.run_id"  # the training run's identity, the one that owns its checkpoint root
+
+
 class Tracker:
     """Recipe: ``tracker.start(resolved_config, run_id=saved_id)`` once; ``log_metrics`` every iteration;
     ``log_artifact`` / ``log_figure`` as needed; ``finish(status)`` at the end. Save ``tracker.run_id`` with each
@@ -152,6 +155,7 @@ class Tracker:
         self._in_outage = False
         self._retry_after = 0.0
         self._bad_names: set[str] = set()
+        self._identity: str | None = None
         if self.enabled:
             for name, value in FAIL_FAST_HTTP.items():
                 os.environ.setdefault(name, value)
@@ -164,8 +168,12 @@ class Tracker:
 
     # --- Public API --------------------------------------------------------------------------------------------
 
-    def start(self, config: BaseModel | Mapping[str, Any], run_id: str | None = None) -> str | None:
+    def start(self, config: BaseModel | Mapping[str, Any], run_id: str | None = None,
+              identity: str | None = None) -> str | None:
         """Open a new run, or continue ``run_id`` (saved with the checkpoint), and log ``config`` as params.
+        ``identity`` (the training run's own id, which owns its checkpoint root) is set as the tag
+        ``sagegrpo.run_id``; without ``run_id``, a run carrying the same identity is continued: a job restarted
+        before its first checkpoint reattaches to its MLflow run instead of leaving it RUNNING beside a new one.
 
         Returns the run id, or None while the server is unreachable: the run is then opened by a later call.
         """
@@ -173,8 +181,20 @@ class Tracker:
             return None
         self._params = loggable_params(config)
         self._resume_id = run_id
+        self._identity = identity
         self._sync()
         return self.run_id
+
+    def logged_through(self, key: str) -> int:
+        """The highest step at which ``key`` was logged to this run (0 if never, or unknown during an outage): a run
+        that re-executes iterations after a resume skips what its MLflow run already holds."""
+        if not self.enabled or self.run_id is None:
+            return 0
+        try:
+            return max((metric.step for metric in self._client.get_metric_history(self.run_id, key)), default=0)
+        except (MlflowException, requests.RequestException, OSError) as error:
+            log.warning("could not read the MLflow run's history (%s); iterations may be logged twice", _first_line(error))
+            return 0
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         if not self.enabled:
@@ -254,13 +274,22 @@ class Tracker:
 
     def _open_run(self) -> None:
         if self.run_id is None:
-            self.run_id = self._continue_run(self._resume_id) if self._resume_id else self._new_run()
+            resume_id = self._resume_id or self._run_with_identity()
+            self.run_id = self._continue_run(resume_id) if resume_id else self._new_run()
         if not self._params_logged:
             self._log_params()
             self._params_logged = True
 
     def _new_run(self) -> str:
-        return self._client.create_run(self._experiment_id(), run_name=self.config.run_name).info.run_id
+        tags = {IDENTITY_TAG: self._identity} if self._identity else None
+        return self._client.create_run(self._experiment_id(), run_name=self.config.run_name, tags=tags).info.run_id
+
+    def _run_with_identity(self) -> str | None:
+        if not self._identity:
+            return None
+        runs = self._client.search_runs([self._experiment_id()], f"tags.`{IDENTITY_TAG}` = '{self._identity}'",
+                                        max_results=1)
+        return runs[0].info.run_id if runs else None
 
     def _continue_run(self, run_id: str) -> str:
         try:

@@ -132,7 +132,9 @@ class Checkpointer:
         if step is None:
             if require:
                 raise UserError(f"no verified checkpoint for {resume!r} in {self.store.uri}")
-            logger.info("resume %s: no checkpoint found, starting a new run", resume)
+            logger.info("resume %s: no checkpoint found, starting from the beginning", resume)
+            if same_run:  # a job restarted before its first commit keeps the identity it claimed the root with
+                self.run_id = distributed.on_main(self.store.owner)
             return None
         manifest = distributed.on_main(lambda: self.store.read_manifest(step))
         self._check_compatible(step, manifest, same_run)

@@ -15,7 +15,6 @@ from pathlib import Path
 from core import distributed
 from pipeline.config import RunConfig, load_run_config
 
-
 # Libraries whose start-up chatter and deprecation notices are not the user's to act on (at the default verbosity).
 THIRD_PARTY = ("DeepSpeed", "deepspeed", "torch", "urllib3", "alembic", "mlflow", "diffusers", "transformers",
                "botocore", "peft", "huggingface_hub")

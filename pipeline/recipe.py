@@ -29,6 +29,7 @@ import torch
 
 from core import distributed
 from core.errors import RETRYABLE_EXIT_CODE, UserError
+from core.files import atomic_write_text
 from core.grpo import group_advantages
 from core.lora import add_lora
 from core.models import build_adapter
@@ -125,10 +126,16 @@ class SageGRPORecipe:
         if resume:
             self.checkpointer.load(resume, fresh_start=fresh_start)
         self.checkpointer.claim(fresh_start=fresh_start)
-        self.tracker = Tracker(config.tracking, config.output_dir)
+        # run.name names the MLflow run unless tracking.run_name says otherwise.
+        tracking = config.tracking.model_copy(update={"run_name": config.tracking.run_name or config.run.name})
+        self.tracker = Tracker(tracking, config.output_dir)
         if distributed.is_main():
-            self.progress.mlflow_run_id = self.tracker.start(config, run_id=self.progress.mlflow_run_id)
+            self.progress.mlflow_run_id = self.tracker.start(config, run_id=self.progress.mlflow_run_id,
+                                                             identity=self.checkpointer.run_id)
+        # Iterations past the restored one are re-executed (identically): neither MLflow nor the audit repeats them.
+        self.logged_through = self.tracker.logged_through("iteration") if distributed.is_main() else 0
         self.audit = Audit(config.output_dir / "audit" / f"rank-{distributed.rank()}.jsonl")
+        self.audit.forget_after(self.progress.iteration)
 
     def setup_policy(self, checkpoint: str | None = None) -> None:
         """Only what evaluating or sampling a (saved) policy needs; nothing is logged to MLflow."""
@@ -230,7 +237,8 @@ class SageGRPORecipe:
     def _record(self, metrics: dict[str, float]) -> None:
         metrics["iteration"] = self.progress.iteration
         self.progress.history.append(metrics)
-        self.tracker.log_metrics(metrics, step=self.progress.iteration)
+        if self.progress.iteration > self.logged_through:
+            self.tracker.log_metrics(metrics, step=self.progress.iteration)
         # Late: a run opened after a tracking outage has its id only now, and the next checkpoint must carry it.
         self.progress.mlflow_run_id = self.tracker.run_id or self.progress.mlflow_run_id
         if distributed.is_main():
@@ -377,6 +385,15 @@ class Audit:
     def write(self, record: dict) -> None:
         with self.path.open("a") as file:
             file.write(json.dumps(record) + "\n")
+
+    def forget_after(self, iteration: int) -> None:
+        """Drop the training records of iterations after ``iteration`` (a resumed run trains them again)."""
+        if not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if "prompt_ids" not in line or json.loads(line)["iteration"] <= iteration]
+        if len(kept) != len(lines):
+            atomic_write_text(self.path, "".join(kept))
 
 
 @contextmanager

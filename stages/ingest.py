@@ -23,8 +23,6 @@ import hashlib
 import io
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from core.errors import UserError
+from core.files import atomic_path
 from core.models.base import PromptEmbeddings
 
 log = logging.getLogger(__name__)
@@ -375,14 +374,8 @@ def _row_file(directory: Path, prompt: str) -> Path:
 
 
 def _save_atomically(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(descriptor)
-    try:
+    with atomic_path(path) as temporary:
         save_file(tensors, temporary)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 # --- Distributed prompt sampler --------------------------------------------------------------------------------
