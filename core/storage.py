@@ -55,10 +55,8 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 from urllib.parse import unquote, urlparse
 
-import boto3
 import torch
 from boto3.s3.transfer import TransferConfig, create_transfer_manager
-from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -67,6 +65,7 @@ from safetensors.torch import load_file
 
 from core.errors import StoreUnavailable, UserError
 from core.files import atomic_write_bytes, fsync_dir
+from core.s3 import s3_client
 from core.secrets import mask_uri
 
 logger = logging.getLogger(__name__)
@@ -218,18 +217,11 @@ class CheckpointConfig(BaseModel):
         return CheckpointStore(backend, outage_retry_s=self.outage_retry_s)
 
     def _s3_client(self):
-        config = BotoConfig(
-            retries={"mode": self.retry_mode, "max_attempts": self.max_attempts},
-            connect_timeout=self.connect_timeout_s,
-            read_timeout=self.read_timeout_s,
-            # The transfer manager runs max_concurrency requests at once; fewer pooled connections would serialise them.
-            max_pool_connections=max(10, self.max_concurrency),
-            s3={"addressing_style": self.addressing_style},
-        )
-        # A session of its own: boto3's default session is shared module state and not safe to use across threads.
-        return boto3.session.Session().client(
-            "s3", endpoint_url=self.endpoint_url, region_name=self.region_name, config=config
-        )
+        # The transfer manager runs max_concurrency requests at once; fewer pooled connections would serialise them.
+        return s3_client(endpoint_url=self.endpoint_url, region_name=self.region_name,
+                         addressing_style=self.addressing_style, retry_mode=self.retry_mode,
+                         max_attempts=self.max_attempts, connect_timeout_s=self.connect_timeout_s,
+                         read_timeout_s=self.read_timeout_s, max_pool_connections=max(10, self.max_concurrency))
 
     def _transfer_config(self) -> TransferConfig:
         return TransferConfig(

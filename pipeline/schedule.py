@@ -123,9 +123,9 @@ class Store:
         self.uri = uri.rstrip("/")
         self._s3 = None
         if self.uri.startswith("s3://"):
-            import boto3
+            from core.s3 import s3_client
 
-            self._s3 = boto3.client("s3")
+            self._s3 = s3_client()
             self._bucket, _, self._prefix = self.uri[len("s3://"):].partition("/")
 
     def join(self, *parts: str) -> str:

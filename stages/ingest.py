@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from core.errors import UserError
 from core.files import atomic_path
 from core.models.base import PromptEmbeddings
+from core.s3 import s3_client
 
 log = logging.getLogger(__name__)
 
@@ -131,16 +132,12 @@ def read_source(config: DataConfig) -> bytes:
 
 
 def _read_s3(uri: str, endpoint_url: str | None) -> bytes:
-    import boto3
-    from botocore.config import Config
     from botocore.exceptions import BotoCoreError, ClientError
 
     bucket, _, key = uri.removeprefix("s3://").partition("/")
     if not bucket or not key:
         raise UserError(f"data.source {uri!r} is not of the form s3://bucket/key")
-    # Credentials come from boto3's standard chain (env, config files, instance/pod roles); "standard" retries
-    # back off on throttling and transient 5xx, which the legacy default mode handles less well.
-    client = boto3.client("s3", endpoint_url=endpoint_url, config=Config(retries={"mode": "standard"}))
+    client = s3_client(endpoint_url=endpoint_url)
     try:
         return client.get_object(Bucket=bucket, Key=key)["Body"].read()
     except (ClientError, BotoCoreError) as error:
