@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 ADAPTER_NAME = "default"
 
@@ -14,9 +14,17 @@ class LoraConfig(BaseModel):
     enabled: bool = False
     rank: int = Field(32, ge=1)
     alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    dropout: float = 0.0
     # The attention projections of both the double- and single-stream blocks: what HunyuanVideo LoRAs usually train.
     target_modules: list[str] = Field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, value: float) -> float:
+        # The policy runs in eval mode (which is what keeps the on-policy ratio exactly 1): dropout would never act.
+        if value != 0:
+            raise ValueError("must be 0: the policy runs in eval mode (on-policy ratio == 1), so dropout would be inert")
+        return value
 
 
 def add_lora(transformer: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:

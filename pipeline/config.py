@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core import config_loading
 from core.lora import LoraConfig
+from core.models import ModelConfig
 from core.rewards.registry import RewardSpec
 from core.storage import CheckpointConfig
 from core.tracking import TrackingConfig
@@ -24,14 +25,6 @@ from stages.update import TrustRegionConfig, UpdateConfig
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class ModelConfig(_Section):
-    name: str = "tiny-hunyuan15"              # registry name (core.models) or "package.module:factory"
-    pretrained: str | None = None             # local directory or hub id, for the real models
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    guidance_scale: float = Field(1.0, ge=1.0)
-    kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
 class RolloutConfig(_Section):

@@ -38,8 +38,12 @@ CALIBRATED_KL_TARGET = 1e-3
 class UpdateConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    # adamw (default) or muon (the reference code's optimizer, DeepSpeed's implementation; use weight_decay 0.01 to
+    # match it). Same lr 1e-5 either way, as the paper states.
+    optimizer: Literal["adamw", "muon"] = "adamw"
     learning_rate: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = Field(1e-8, gt=0)
     max_grad_norm: float = Field(1.0, gt=0)
@@ -153,6 +157,17 @@ def build_engine(module: torch.nn.Module, config: UpdateConfig, *, accumulation_
     if config.gradient_checkpointing and hasattr(module, "enable_gradient_checkpointing"):
         module.enable_gradient_checkpointing()
     trainable = [p for p in module.parameters() if p.requires_grad]
+    if config.optimizer == "muon" and ds_config.get("zero_optimization", {}).get("stage") != 3:
+        raise ValueError("update.optimizer=muon is wired for ZeRO-3 configs only (zero3, zero3_offload)")
+    if config.optimizer == "muon":
+        # DeepSpeed's own Muon (Muon on the 2-D weights, Adam on the rest), configured in its JSON: a client
+        # optimizer would see ZeRO-3's flat partitions, and Muon needs whole matrices.
+        ds_config["optimizer"] = {"type": "muon", "params": {
+            "lr": config.learning_rate, "weight_decay": config.weight_decay, "momentum": config.muon_momentum,
+            "betas": list(config.betas), "eps": config.adam_eps}}
+        ds_config.setdefault("zero_optimization", {})["reduce_scatter"] = False  # DeepSpeed's Muon requires it
+        engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=trainable, config=ds_config)
+        return engine
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=_optimizer(trainable, config, offload),
                                            config=ds_config)
     return engine

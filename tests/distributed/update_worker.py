@@ -62,7 +62,7 @@ def main():
     samples_per_rank = per_rank * GROUP_SIZE
 
     update_config = UpdateConfig(learning_rate=1e-3, micro_batch_size=1, seed=3)
-    trust_config = TrustRegionConfig(strategy="dual", anchor_interval=2, kl_warmup_steps=0)
+    trust_config = TrustRegionConfig(strategy="dual", anchor_interval=2, kl_grad_ratio_every=1)
     steps = int(local_rollout.trained_steps.sum())
     engine = build_engine(adapter.transformer, update_config,
                           accumulation_steps=accumulation_steps(samples_per_rank, 1, steps))

@@ -44,7 +44,8 @@ def test_baselines_differ_from_sage_only_in_the_sampler_and_say_which_keys_diffe
         if other.sde.eta == sage.sde.eta:
             assert "only sde.variant differs" in header, path.name
         else:  # the variant's own eta: the header must not claim one difference
-            assert "sde.variant and sde.eta" in header and (REPO / "configs" / f"hunyuanvideo15_{variant}_eta05_lora.yaml").exists()
+            assert "sde.variant and sde.eta" in header, path.name
+            assert (REPO / "configs" / f"hunyuanvideo15_{variant}_eta05_lora.yaml").exists()
 
 
 def test_overrides_are_typed():
