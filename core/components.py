@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+import inspect
+from typing import Any, Callable
 
 from core.errors import UserError
 
@@ -23,3 +24,18 @@ def resolve(name: str, registry: dict[str, str], kind: str) -> Callable:
     except (ImportError, AttributeError) as error:
         raise UserError(f"cannot load {kind} {name!r}: {error}") from None
     return found
+
+
+def check_arguments(factory: Callable, kwargs: dict[str, Any], what: str) -> None:
+    """Raise ValueError (pydantic reports it under the key being validated) when ``factory`` cannot take ``kwargs``:
+    a typo in a config's kwargs is caught when the config is read, not after minutes of model loading."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # nothing to check a C callable against
+        return
+    try:
+        signature.bind(**kwargs)
+    except TypeError as error:
+        names = [name for name, parameter in signature.parameters.items()
+                 if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)]
+        raise ValueError(f"{error} ({what} takes {', '.join(names) or 'no arguments'})") from None

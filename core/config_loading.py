@@ -106,7 +106,7 @@ def one_line(error: ValidationError) -> str:
     """The first problem pydantic found, as ``key.sub: message``."""
     first = error.errors()[0]
     key = ".".join(str(part) for part in first["loc"]) or "config"
-    message = first["msg"]
+    message = first["msg"].removeprefix("Value error, ")  # our validators' messages are complete sentences
     if first["type"] == "extra_forbidden":
         message = "unknown key"
     extra = f" (and {len(error.errors()) - 1} more)" if len(error.errors()) > 1 else ""

@@ -6,7 +6,12 @@ Model modules are imported on first use: importing diffusers' video pipelines co
 
 from __future__ import annotations
 
-from ..components import resolve
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from ..components import check_arguments, resolve
+from ..errors import UserError
 from .base import PromptEmbeddings, VideoModelAdapter
 
 # name -> "module:factory".
@@ -16,6 +21,43 @@ _REGISTRY = {
     "tiny-hunyuan15": "core.models.tiny:tiny_hunyuan15",
     "tiny-wan": "core.models.tiny:tiny_wan",
 }
+
+
+class ModelConfig(BaseModel):
+    """The ``model`` section: which model (a name above or ``"package.module:factory"``), its weights and options.
+    The factory is imported and ``kwargs`` bound to its signature when the config is validated."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "tiny-hunyuan15"
+    pretrained: str | None = None             # local directory or hub id, for the real models
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    guidance_scale: float = Field(1.0, ge=1.0, le=100.0, allow_inf_nan=False)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _resolvable(cls, name: str) -> str:
+        try:
+            resolve(name, _REGISTRY, "model")
+        except UserError as error:  # pydantic reports ValueErrors with the key's location
+            raise ValueError(str(error)) from None
+        return name
+
+    @field_validator("kwargs")
+    @classmethod
+    def _bindable(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if not {"name", "guidance_scale", "dtype"} <= set(info.data):  # an earlier key failed: report that one
+            return kwargs
+        supplied = {"guidance_scale": info.data["guidance_scale"], "dtype": info.data["dtype"]}
+        if info.data.get("pretrained"):
+            supplied |= {"path_or_hub_id": info.data["pretrained"], "device": "cpu"}
+        reserved = sorted(set(kwargs) & set(supplied))
+        if reserved:
+            raise ValueError(f"{reserved[0]!r} is set by the model section itself, not by its kwargs")
+        check_arguments(resolve(info.data["name"], _REGISTRY, "model"), {**supplied, **kwargs},
+                        f"model {info.data['name']!r}")
+        return kwargs
 
 
 def build_adapter(name: str, **kwargs) -> VideoModelAdapter:
@@ -31,4 +73,4 @@ def build_adapter(name: str, **kwargs) -> VideoModelAdapter:
     return adapter
 
 
-__all__ = ["PromptEmbeddings", "VideoModelAdapter", "build_adapter"]
+__all__ = ["ModelConfig", "PromptEmbeddings", "VideoModelAdapter", "build_adapter"]

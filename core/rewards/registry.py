@@ -5,13 +5,12 @@ Built-in rewards are imported on first use, so configuring ``brightness`` never 
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from ..components import resolve
+from ..components import check_arguments, resolve
 from ..errors import UserError
 
 # The paper's two weightings of VideoAlign's dimensions (spec section 3). Setting B, alignment-focused, is the
@@ -69,15 +68,7 @@ class RewardSpec(BaseModel):
     @classmethod
     def _bindable(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         if "name" in info.data:  # absent when the name itself failed: that error is the one to report
-            try:
-                signature = inspect.signature(resolve_factory(info.data["name"]))
-            except (TypeError, ValueError):  # nothing to check a C callable against
-                return kwargs
-            try:
-                signature.bind(**kwargs)
-            except TypeError as error:
-                raise ValueError(f"{error} (reward {info.data['name']!r} takes {_parameter_list(signature)})") \
-                    from None
+            check_arguments(resolve_factory(info.data["name"]), kwargs, f"reward {info.data['name']!r}")
         return kwargs
 
     @field_validator("weights")
@@ -109,12 +100,6 @@ class RewardSpec(BaseModel):
                             f"no weights: set its weights, e.g. {{{reported[0]}: 1.0}} (unweighted dimensions are "
                             "reported, not summed; weights: {} reports them all)")
         return dict.fromkeys(reported, 1.0)
-
-
-def _parameter_list(signature: inspect.Signature) -> str:
-    names = [name for name, parameter in signature.parameters.items()
-             if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)]
-    return ", ".join(names) or "no arguments"
 
 
 def build_reward(spec: RewardSpec) -> Callable:

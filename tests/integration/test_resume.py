@@ -24,7 +24,7 @@ from tests.integration.pipeline_runs import (
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-COMPARED = ["reward/mean", "reward/std", "update/loss", "update/position_kl", "update/stepwise_kl",
+COMPARED = ["reward/mean", "reward/std", "update/loss", "update/position_kl", "update/velocity_kl",
             "update/lambda_kl", "update/grad_norm", "eval/reward"]
 KINDS = {"lora": ("lora.enabled=true", "lora.rank=4", "lora.alpha=4"), "full": ()}
 
