@@ -105,7 +105,8 @@ def read_yaml(path: str | Path) -> dict:
 def one_line(error: ValidationError) -> str:
     """The first problem pydantic found, as ``key.sub: message``."""
     first = error.errors()[0]
-    key = ".".join(str(part) for part in first["loc"]) or "config"
+    # A union's member type (e.g. "dict[str,float]") is pydantic's bookkeeping, not a key the user wrote.
+    key = ".".join(str(part) for part in first["loc"] if "[" not in str(part)) or "config"
     message = first["msg"].removeprefix("Value error, ")  # our validators' messages are complete sentences
     if first["type"] == "extra_forbidden":
         message = "unknown key"

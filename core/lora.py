@@ -9,7 +9,7 @@ ADAPTER_NAME = "default"
 
 
 class LoraConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = False
     rank: int = Field(32, ge=1)

@@ -47,6 +47,7 @@ from mlflow.models import ModelSignature
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.pyfunc import PythonModel
 from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+from pydantic import BaseModel, ConfigDict, Field
 
 from core.errors import UserError
 from core.export import LORA_WEIGHT_NAME, read_export_manifest
@@ -62,6 +63,20 @@ METRIC_TAG_PREFIX = "metric."
 MODEL_MANIFEST = "sha256sums.json"
 TINY_BASE_MODEL = "tiny-hunyuan15"
 DEFAULT_PRIMARY_METRIC = "eval/reward"  # what stages/evaluate.py logs for the training rewards
+
+
+class RegistryConfig(BaseModel):
+    """The ``registry`` section, publishing at the end of a run: export, register as the ``challenger``, then the
+    promotion gate."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model_name: str | None = None             # None: do not register
+    base_model: str | None = None             # what the pyfunc loads the export onto; default: model.pretrained/name
+    promote: bool = False                     # run the gate after registering
+    primary_metric: str = DEFAULT_PRIMARY_METRIC
+    margin: float = Field(0.0, ge=0)
+    guards: dict[str, float] = Field(default_factory=dict)   # metric -> largest allowed drop
 
 
 # Registration

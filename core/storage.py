@@ -164,7 +164,7 @@ class CheckpointConfig(BaseModel):
     as multipart uploads and ranged downloads. Credentials deliberately have no field (see the module docstring).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # A local path, file:///abs/path or s3://bucket/prefix; None: <output_dir>/checkpoints.
     uri: str | None = None

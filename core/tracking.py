@@ -46,7 +46,7 @@ FAIL_FAST_HTTP = {
 
 
 class TrackingConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = True
     # None: the embedded store, sqlite:///<run_dir>/mlflow.db with artifacts in <run_dir>/mlflow-artifacts.

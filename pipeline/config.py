@@ -7,60 +7,33 @@ Everything here is validated before any model loads; a problem is one line namin
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core import config_loading
 from core.lora import LoraConfig
 from core.models import ModelConfig
+from core.registry import RegistryConfig
 from core.rewards.registry import RewardSpec
 from core.storage import CheckpointConfig
 from core.tracking import TrackingConfig
+from stages.evaluate import EvalConfig
 from stages.ingest import DataConfig
-from stages.rollout import SDEConfig
+from stages.rollout import RolloutConfig, SDEConfig
 from stages.score import ScoringConfig
-from stages.update import TrustRegionConfig, UpdateConfig
+from stages.update import DeepSpeedConfig, TrustRegionConfig, UpdateConfig, accumulation_steps, deepspeed_config
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class RolloutConfig(_Section):
-    group_size: int = Field(4, ge=2)          # G: a group of one has no baseline
-    prompts_per_rank: int = Field(2, ge=1)
-
-
-class DeepSpeedConfig(_Section):
-    config: str = "zero3"                     # a name in deepspeed_configs/ or a path to a JSON
-    precision: Literal["auto", "bf16", "fp32"] = "auto"   # auto: bf16 on GPU, fp32 on CPU
-    collective_timeout_minutes: float = Field(30.0, gt=0)
-
-
-class EvalConfig(_Section):
-    every: int = Field(0, ge=0)               # iterations between evaluations; 0 disables
-    num_prompts: int = Field(4, ge=1)
-    seed: int = 1234
-    metrics: list[RewardSpec] = Field(default_factory=list)   # extra metrics (e.g. clipscore) beside the rewards
-    write_videos: int = Field(2, ge=0)
-
-
-class RegistryConfig(_Section):
-    """Publishing at the end of a run: export, register as the ``challenger``, then the promotion gate."""
-
-    model_name: str | None = None             # None: do not register
-    base_model: str | None = None             # what the pyfunc loads the export onto; default: model.pretrained/name
-    promote: bool = False                     # run the gate after registering
-    primary_metric: str = "eval/reward"
-    margin: float = Field(0.0, ge=0)
-    guards: dict[str, float] = Field(default_factory=dict)   # metric -> largest allowed drop
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class RunSection(_Section):
-    name: str = "sage-grpo"
+    """The ``run`` section: this application's own keys (every other section lives beside its component)."""
+
+    name: str = "sage-grpo"                   # the MLflow run's name (unless tracking.run_name)
     output_dir: str = "runs/sage-grpo"
-    max_iterations: int = Field(10, ge=1)
+    max_iterations: int = Field(10, ge=1, le=10_000_000)
     time_budget_minutes: float | None = Field(None, gt=0)
     # After SIGTERM/SIGUSR1 the run finishes its iteration and checkpoints; if that takes longer than this (a reward
     # that hangs, a stuck collective), it exits with the retryable code without a new checkpoint: the committed ones
@@ -69,7 +42,7 @@ class RunSection(_Section):
 
 
 class RunConfig(_Section):
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)      # torch and the per-sample generators take a non-negative int64
     run: RunSection = Field(default_factory=RunSection)
     model: ModelConfig = Field(default_factory=ModelConfig)
     sde: SDEConfig = Field(default_factory=SDEConfig)
@@ -99,6 +72,11 @@ class RunConfig(_Section):
             raise ValueError("registry.model_name needs tracking.enabled: versions are registered in MLflow")
         if self.sde.variant == "ode":
             raise ValueError("sde.variant=ode has no log-probabilities to train on; use dance, flow, cps or sage")
+        trained = int(self.sde.trained_steps_mask().sum())
+        # The JSON against this run's values (the world size is checked when the engine is built).
+        deepspeed_config(self.deepspeed.config, micro_batch_size=self.update.micro_batch_size,
+                         accumulation_steps=accumulation_steps(samples, self.update.micro_batch_size, trained),
+                         max_grad_norm=self.update.max_grad_norm, bf16=self.deepspeed.use_bf16())
         return self
 
     @property

@@ -30,7 +30,6 @@ import torch
 from core import distributed
 from core.errors import RETRYABLE_EXIT_CODE, UserError
 from core.files import atomic_write_text
-from core.grpo import group_advantages
 from core.lora import add_lora
 from core.models import build_adapter
 from core.rewards.base import VideoBatch
@@ -41,7 +40,7 @@ from stages import evaluate as evaluation
 from stages.ingest import CachedEmbeddings, EmbeddingCache, PromptSampler, ingest
 from stages.rollout import SDEConfig, generate
 from stages.score import Scorer, reward_metrics
-from stages.update import Updater, accumulation_steps, build_engine
+from stages.update import Updater, accumulation_steps, build_engine, compute_advantages
 
 logger = logging.getLogger(__name__)
 
@@ -218,8 +217,7 @@ class SageGRPORecipe:
                                    self.prompt_set.metadata_for(rollout.group_ids))
         timings["time/score"], clock = time.perf_counter() - clock, time.perf_counter()
 
-        advantages = group_advantages(scored.total, rollout.group_ids, global_std=config.update.global_std,
-                                      clip=config.update.advantage_clip)
+        advantages = compute_advantages(scored.total, rollout.group_ids, config.update)
         update_metrics = policy.updater.update(rollout, advantages)
         timings["time/update"] = time.perf_counter() - clock
         self.progress.iteration += 1
@@ -359,14 +357,8 @@ def build_policy(config: RunConfig) -> Policy:
     samples = config.rollout.prompts_per_rank * config.rollout.group_size
     engine = build_engine(adapter.transformer, config.update,
                           accumulation_steps=accumulation_steps(samples, config.update.micro_batch_size, trained),
-                          deepspeed_config_name=config.deepspeed.config, bf16=_use_bf16(config))
+                          deepspeed_config_name=config.deepspeed.config, bf16=config.deepspeed.use_bf16())
     return Policy(adapter, engine, Updater(engine, adapter, config.update, config.trust_region))
-
-
-def _use_bf16(config: RunConfig) -> bool:
-    if config.deepspeed.precision == "auto":
-        return torch.cuda.is_available()
-    return config.deepspeed.precision == "bf16"
 
 
 def iteration_seed(seed: int, iteration: int) -> int:

@@ -16,10 +16,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from core.rewards.base import VideoBatch
+from core.rewards.registry import RewardSpec
 from stages.rollout import SDEConfig, generate
 from stages.score import Scorer
+
+
+class EvalConfig(BaseModel):
+    """The ``eval`` section: every k iterations, the first ``num_prompts`` held-out prompts, fixed seeds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    every: int = Field(0, ge=0)               # iterations between evaluations; 0 disables
+    num_prompts: int = Field(4, ge=1)
+    seed: int = Field(1234, ge=0, lt=2**63)
+    metrics: list[RewardSpec] = Field(default_factory=list)   # extra metrics (e.g. clipscore) beside the rewards
+    write_videos: int = Field(2, ge=0)
 
 
 @dataclass

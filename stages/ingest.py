@@ -46,7 +46,7 @@ SKIP_KINDS = ("undecodable", "empty", "whitespace_only", "too_long", "duplicate"
 
 
 class DataConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     source: str = Field(description="a local path or s3://bucket/key, ending in .txt, .jsonl or .csv")
     prompt_column: str = "prompt"  # .jsonl and .csv only

@@ -33,6 +33,15 @@ from core.models.base import PromptEmbeddings, VideoModelAdapter
 from core.sde import SDEStepOutput, check_eta, flow_match_sigmas, gaussian_log_prob, noise_stds, sde_step
 
 
+class RolloutConfig(BaseModel):
+    """The ``rollout`` section: G videos per prompt, prompts per rank per iteration."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_size: int = Field(4, ge=2, le=1024)          # G: a group of one has no baseline
+    prompts_per_rank: int = Field(2, ge=1, le=4096)
+
+
 class SDEConfig(BaseModel):
     """The rollout sampler. ``window`` = (start, end) makes steps start..end-1 stochastic and the rest deterministic
     (MixGRPO / Flow-GRPO-Fast); only stochastic steps are trained. ``ode`` samples deterministically everywhere.
@@ -40,12 +49,12 @@ class SDEConfig(BaseModel):
     Validated when the config loads, before any model: every step's noise std is finite and >= 0 on this schedule
     (a NaN std must never pass for a deterministic step), CPS's eta is at most 1, and some step trains."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     variant: Literal["dance", "flow", "cps", "sage", "ode"] = "sage"
-    eta: float = Field(0.5, ge=0)
-    steps: int = Field(20, ge=1)
-    shift: float = Field(5.0, gt=0)
+    eta: float = Field(0.5, ge=0, le=2.0)      # beyond 2 every variant's noise swamps the signal (CPS: <= 1)
+    steps: int = Field(20, ge=1, le=1000)
+    shift: float = Field(5.0, gt=0, le=100.0)
     window: tuple[int, int] | None = None
 
     @model_validator(mode="after")

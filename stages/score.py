@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 class ScoringConfig(BaseModel):
     """How reward calls are bounded, retried and given up on (the ``scoring`` section)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     retries: int = Field(2, ge=0)             # retries of a reward call that raised or timed out
     retry_delay_s: float = Field(1.0, ge=0, allow_inf_nan=False)

@@ -29,9 +29,11 @@ from pathlib import Path
 from typing import Any, Iterator, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from core import distributed, sde
+from core.errors import UserError
+from core.schedules import LRSchedule, lr_multiplier
 from core.grpo import (AdaptiveKLController, Advantages, KLFeedback, SurrogateTerms, clipped_surrogate,
                        gaussian_mean_kl, group_advantages, stepwise_kl)
 from core.trust_region import KLStrategy, TrustRegion
@@ -46,12 +48,17 @@ CALIBRATED_KL_TARGET = 1e-3
 
 
 class UpdateConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # adamw (default) or muon (the reference code's optimizer, DeepSpeed's implementation; use weight_decay 0.01 to
     # match it). Same lr 1e-5 either way, as the paper states.
     optimizer: Literal["adamw", "muon"] = "adamw"
-    learning_rate: float = Field(1e-5, gt=0)
+    learning_rate: float = Field(1e-5, gt=0, le=1.0, allow_inf_nan=False)
+    # Warm-up then decay, stepped once per applied optimizer update (DeepSpeed steps it, and checkpoints its state).
+    lr_schedule: LRSchedule = "constant"
+    lr_warmup_steps: int = Field(0, ge=0)
+    lr_decay_steps: int | None = Field(None, ge=1)   # updates after the warm-up; required by linear and cosine
+    lr_min_ratio: float = Field(0.0, ge=0, le=1)
     weight_decay: float = Field(0.0, ge=0)
     muon_momentum: float = Field(0.95, ge=0, lt=1)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -63,7 +70,21 @@ class UpdateConfig(BaseModel):
     advantage_clip: float = Field(5.0, gt=0)
     global_std: bool = False
     gradient_checkpointing: bool = False
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)
+
+    @model_validator(mode="after")
+    def _decay_has_a_length(self) -> "UpdateConfig":
+        if self.lr_schedule != "constant" and self.lr_decay_steps is None:
+            raise ValueError(f"lr_schedule={self.lr_schedule} needs update.lr_decay_steps (updates to decay over)")
+        return self
+
+    def lr_scheduler(self, optimizer):
+        """The torch scheduler DeepSpeed steps; a LambdaLR whose lambda is a pure function of the step."""
+        from functools import partial
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(
+            lr_multiplier, schedule=self.lr_schedule, warmup_steps=self.lr_warmup_steps,
+            decay_steps=self.lr_decay_steps, min_ratio=self.lr_min_ratio))
 
 
 # The adaptive KL weight's numbers per preset. "paper" is the appendix literally (lambda in [1e-7, 1e-5], target 1e-5):
@@ -82,7 +103,7 @@ class TrustRegionConfig(BaseModel):
     """The dual trust region and its adaptive weight. ``preset`` fills the lambda keys left unset: ``calibrated``
     (default, acts) or ``paper`` (the appendix's numbers, inert on this objective); a key set explicitly wins."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     preset: Literal["calibrated", "paper"] = "calibrated"
     strategy: KLStrategy = KLStrategy.DUAL
@@ -124,26 +145,89 @@ class TrustRegionConfig(BaseModel):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def deepspeed_config(name_or_path: str, *, micro_batch_size: int, accumulation_steps: int, max_grad_norm: float,
-                     bf16: bool) -> dict:
-    """Load a shipped config by name (zero3, zero2, zero3_offload) or a user's JSON, and fill its "auto" fields
-    from our config, so the JSON and the run config can never disagree."""
+class DeepSpeedConfig(BaseModel):
+    """The ``deepspeed`` section. The JSON is loaded and checked when the config is validated; its "auto" fields are
+    filled from the run config when the engine is built, and a value it sets that disagrees with the run config is
+    refused (as DeepSpeed's HF integration does), never silently overwritten."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    config: str = "zero3"                     # a name in deepspeed_configs/ or a path to a JSON
+    precision: Literal["auto", "bf16", "fp32"] = "auto"   # auto: bf16 on GPU, fp32 on CPU
+    collective_timeout_minutes: float = Field(30.0, gt=0, le=24 * 60, allow_inf_nan=False)
+
+    @field_validator("config")
+    @classmethod
+    def _loadable(cls, name_or_path: str) -> str:
+        load_deepspeed_json(name_or_path)
+        return name_or_path
+
+    def use_bf16(self) -> bool:
+        return torch.cuda.is_available() if self.precision == "auto" else self.precision == "bf16"
+
+
+def load_deepspeed_json(name_or_path: str) -> dict:
+    """A shipped config by name (zero2, zero3, zero3_offload) or a user's JSON, checked for what this pipeline
+    cannot run: problems are ValueErrors with one line (the config key is added by pydantic)."""
     path = Path(name_or_path)
     if not path.suffix:
         path = DEEPSPEED_CONFIGS / f"{name_or_path}.json"
-    config = json.loads(path.read_text())
-    filled = {
+    shipped = ", ".join(sorted(p.stem for p in DEEPSPEED_CONFIGS.glob("*.json")))
+    if not path.is_file():
+        raise ValueError(f"{name_or_path!r}: no such DeepSpeed config (a path to a JSON, or one of {shipped})")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a DeepSpeed config is a JSON object, not a {type(config).__name__}")
+    for block in ("optimizer", "scheduler"):
+        if block in config:
+            raise ValueError(f"{path}: its {block!r} block would replace the run's (update.optimizer, "
+                             "update.learning_rate, update.lr_schedule): remove it from the JSON")
+    if (config.get("fp16") or {}).get("enabled") in (True, "auto"):
+        raise ValueError(f"{path}: fp16 is not supported (log-densities need the range): use bf16 or fp32")
+    zero = config.get("zero_optimization", {})
+    if not isinstance(zero, dict) or zero.get("stage", 0) not in (0, 1, 2, 3):
+        raise ValueError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3")
+    for offload in ("offload_optimizer", "offload_param"):
+        device = (zero.get(offload) or {}).get("device", "none")
+        if device not in ("none", "cpu", "nvme"):
+            raise ValueError(f"{path}: zero_optimization.{offload}.device must be none, cpu or nvme, not {device!r}")
+    return config
+
+
+def deepspeed_config(name_or_path: str, *, micro_batch_size: int, accumulation_steps: int, max_grad_norm: float,
+                     bf16: bool, world_size: int | None = None, hidden_size: int | None = None) -> dict:
+    """The JSON with its "auto" fields filled from the run config. A field the JSON sets to another value than the
+    run's is a ValueError. With ``hidden_size``, "auto" ZeRO bucket sizes follow the model (HF's rule)."""
+    config = load_deepspeed_json(name_or_path)
+    required = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": accumulation_steps,
         "gradient_clipping": max_grad_norm,
     }
-    for key, value in filled.items():
-        if config.get(key, "auto") not in ("auto", value):
-            raise ValueError(f"{path.name}: {key}={config[key]} disagrees with the run config ({value})")
-        config[key] = value
-    config["train_batch_size"] = micro_batch_size * accumulation_steps * distributed.world_size()
-    config.setdefault("bf16", {})["enabled"] = bf16
+    if world_size is not None:
+        required["train_batch_size"] = micro_batch_size * accumulation_steps * world_size
+    for key, value in required.items():
+        _fill(config, key, value, name_or_path)
+    _fill(config.setdefault("bf16", {}), "enabled", bf16, name_or_path, key_path="bf16.enabled")
+    zero = config.get("zero_optimization", {})
+    if hidden_size:
+        for key, value in (("reduce_bucket_size", hidden_size * hidden_size),
+                           ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
+                           ("stage3_param_persistence_threshold", 10 * hidden_size)):
+            if zero.get(key) == "auto":
+                zero[key] = value
     return config
+
+
+def _fill(section: dict, key: str, value, source: str, key_path: str | None = None) -> None:
+    current = section.get(key, "auto")
+    if current != "auto" and current != value:
+        raise ValueError(f"deepspeed.config {source}: {key_path or key}={current} disagrees with the run config "
+                        f"({value}); set it to \"auto\" or to the same value")
+    section[key] = value
 
 
 def _optimizer(params, config: UpdateConfig, offload: bool):
@@ -161,8 +245,12 @@ def build_engine(module: torch.nn.Module, config: UpdateConfig, *, accumulation_
     """Wrap ``module`` (LoRA adapters already added, if any) in a DeepSpeed engine training its trainable params."""
     import deepspeed
 
-    ds_config = deepspeed_config(deepspeed_config_name, micro_batch_size=config.micro_batch_size,
-                                 accumulation_steps=accumulation_steps, max_grad_norm=config.max_grad_norm, bf16=bf16)
+    try:
+        ds_config = deepspeed_config(deepspeed_config_name, micro_batch_size=config.micro_batch_size,
+                                     accumulation_steps=accumulation_steps, max_grad_norm=config.max_grad_norm,
+                                     bf16=bf16, world_size=distributed.world_size(), hidden_size=_hidden_size(module))
+    except ValueError as error:  # train_batch_size, which needs the world size, is known only now
+        raise UserError(str(error)) from None
     offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
     if config.gradient_checkpointing and hasattr(module, "enable_gradient_checkpointing"):
         module.enable_gradient_checkpointing()
@@ -176,11 +264,22 @@ def build_engine(module: torch.nn.Module, config: UpdateConfig, *, accumulation_
             "lr": config.learning_rate, "weight_decay": config.weight_decay, "momentum": config.muon_momentum,
             "betas": list(config.betas), "eps": config.adam_eps}}
         ds_config.setdefault("zero_optimization", {})["reduce_scatter"] = False  # DeepSpeed's Muon requires it
-        engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=trainable, config=ds_config)
+        engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=trainable, config=ds_config,
+                                               lr_scheduler=config.lr_scheduler)
         return engine
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=_optimizer(trainable, config, offload),
-                                           config=ds_config)
+                                           config=ds_config, lr_scheduler=config.lr_scheduler)
     return engine
+
+
+def _hidden_size(module: torch.nn.Module) -> int | None:
+    """The transformer's width, from its diffusers config (heads x head dim where it has no hidden_size)."""
+    config = getattr(module, "config", None) or {}
+    if config.get("hidden_size"):
+        return int(config["hidden_size"])
+    if config.get("num_attention_heads") and config.get("attention_head_dim"):
+        return int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+    return None
 
 
 def accumulation_steps(samples_per_rank: int, micro_batch_size: int, trained_steps: int) -> int:

@@ -27,7 +27,7 @@ class ModelConfig(BaseModel):
     """The ``model`` section: which model (a name above or ``"package.module:factory"``), its weights and options.
     The factory is imported and ``kwargs`` bound to its signature when the config is validated."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = "tiny-hunyuan15"
     pretrained: str | None = None             # local directory or hub id, for the real models

@@ -48,7 +48,7 @@ class RewardSpec(BaseModel):
     ``batch_size``: videos per call (None: the whole batch).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str
     kwargs: dict[str, Any] = Field(default_factory=dict, validate_default=True)  # bound even when omitted

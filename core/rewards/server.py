@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 class ServerSettings(BaseModel):
     """The service's bounds; peak request memory is about ``workers x max_body_mb``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_body_mb: float = Field(1024.0, gt=0)  # one request's body (8 videos of 121 x 480 x 848 fit in 1 GB)
     workers: int = Field(8, ge=1)  # connections handled at once
