@@ -75,16 +75,45 @@ def parse_override(text: str) -> tuple[list[str], object]:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Set each ``key.sub=value``; a number in the path indexes a list (``rewards.0.weights.VQ=2``)."""
     for text in overrides:
         path, value = parse_override(text)
         node = data
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise UserError(f"override {text!r}: {part} is not a section")
-            node = child
-        node[path[-1]] = value
+        for depth, part in enumerate(path[:-1]):
+            node = _child(node, part, text, next_is_index=path[depth + 1].isdigit())
+        _set(node, path[-1], value, text)
     return data
+
+
+def _child(node, part: str, text: str, *, next_is_index: bool):
+    if isinstance(node, list):
+        return _list_item(node, part, text)
+    child = node.setdefault(part, [] if next_is_index else {})
+    if not isinstance(child, (dict, list)):
+        raise UserError(f"override {text!r}: {part} is not a section")
+    return child
+
+
+def _set(node, part: str, value, text: str) -> None:
+    if isinstance(node, list):
+        index = _index(node, part, text, allow_append=True)
+        if index == len(node):
+            node.append(value)
+        else:
+            node[index] = value
+    else:
+        node[part] = value
+
+
+def _list_item(node: list, part: str, text: str):
+    return node[_index(node, part, text)]
+
+
+def _index(node: list, part: str, text: str, *, allow_append: bool = False) -> int:
+    limit = len(node) + (1 if allow_append else 0)
+    if not part.isdigit() or int(part) >= limit:
+        raise UserError(f"override {text!r}: {part!r} is not an index of a list of {len(node)} item(s)")
+    return int(part)
 
 
 def read_yaml(path: str | Path) -> dict:

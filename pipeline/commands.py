@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 from core import distributed
+from core.secrets import mask_uri
 from pipeline.config import RunConfig, load_run_config
 
 # Libraries whose start-up chatter and deprecation notices are not the user's to act on (at the default verbosity).
@@ -73,7 +74,7 @@ def _summary_text(config: RunConfig, summary) -> str:
             lines.append(f"  WARNING:     no sample was scored in iteration(s) {unscored[:10]}: reward nan, nothing "
                          "learned there (see reward/failed_samples)")
     if summary.tracking_uri:
-        lines.append(f"  MLflow run:  {summary.run_id} at {summary.tracking_uri}")
+        lines.append(f"  MLflow run:  {summary.run_id} at {mask_uri(summary.tracking_uri)}")
         if summary.tracking_uri.startswith("sqlite:"):
             lines.append(f"  browse it:   mlflow ui --backend-store-uri {summary.tracking_uri}")
     if summary.status == "preempted":

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from core import distributed
 from core.errors import RETRYABLE_EXIT_CODE, UserError
@@ -135,6 +137,23 @@ class SageGRPORecipe:
         self.logged_through = self.tracker.logged_through("iteration") if distributed.is_main() else 0
         self.audit = Audit(config.output_dir / "audit" / f"rank-{distributed.rank()}.jsonl")
         self.audit.forget_after(self.progress.iteration)
+        if distributed.is_main():
+            logger.info("%s", self.header())
+
+    def header(self) -> str:
+        """What a person checks before walking away from a run: scale, batch, what trains, how long."""
+        config, module = self.config, self.policy.engine.module
+        trainable = sum(_numel(p) for p in module.parameters() if p.requires_grad)
+        total = sum(_numel(p) for p in module.parameters())
+        samples = config.rollout.prompts_per_rank * config.rollout.group_size
+        trained = int(config.sde.trained_steps_mask().sum())
+        start = f"resuming after iteration {self.progress.iteration}" if self.progress.iteration else "from the start"
+        return (f"run {config.run.name}: {distributed.world_size()} rank(s) x {samples} samples "
+                f"({config.rollout.prompts_per_rank} prompts x G={config.rollout.group_size}) = "
+                f"{samples * distributed.world_size()} videos per iteration; {trained} of {config.sde.steps} steps "
+                f"trained; {trainable:,} of {total:,} parameters trainable "
+                f"({'LoRA' if config.lora.enabled else 'full'}); iterations {self.progress.iteration + 1}.."
+                f"{config.run.max_iterations} ({start})")
 
     def setup_policy(self, checkpoint: str | None = None) -> None:
         """Only what evaluating or sampling a (saved) policy needs; nothing is logged to MLflow."""
@@ -184,12 +203,16 @@ class SageGRPORecipe:
     def _train(self) -> RunSummary:
         config, progress = self.config, self.progress
         status, started = "completed", time.monotonic()
-        with preemption_signals(config.run.preemption_grace_s) as preempted:
+        bar = tqdm(total=config.run.max_iterations, initial=progress.iteration, desc="iterations", unit="it",
+                   disable=not distributed.is_main(), dynamic_ncols=True)
+        with preemption_signals(config.run.preemption_grace_s) as preempted, bar, logging_redirect_tqdm():
             while progress.iteration < config.run.max_iterations:
                 metrics = self.train_step()
                 if self.eval_scorer and progress.iteration % config.eval.every == 0:
                     metrics |= self.evaluate()
                 self._record(metrics)
+                bar.update()
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", refresh=False)
 
                 out_of_time = config.run.time_budget_minutes is not None and \
                     time.monotonic() - started > 60 * config.run.time_budget_minutes
@@ -359,6 +382,11 @@ def build_policy(config: RunConfig) -> Policy:
                           accumulation_steps=accumulation_steps(samples, config.update.micro_batch_size, trained),
                           deepspeed_config_name=config.deepspeed.config, bf16=config.deepspeed.use_bf16())
     return Policy(adapter, engine, Updater(engine, adapter, config.update, config.trust_region))
+
+
+def _numel(param: torch.nn.Parameter) -> int:
+    """A parameter's full size, also under ZeRO-3 (where the local tensor is an empty placeholder)."""
+    return int(getattr(param, "ds_numel", param.numel()))
 
 
 def iteration_seed(seed: int, iteration: int) -> int:

@@ -68,3 +68,25 @@ def test_env_reports_versions_and_devices(capsys):
     import torch
 
     assert f"torch         {torch.__version__}" in out and "devices:" in out
+
+
+def test_list_index_overrides_reach_into_lists(capsys):
+    assert cli.main(["config", DEMO, "rewards.0.weights={brightness: 1.0}", "rewards.0.weights.brightness=2",
+                     "rewards.1={name: colorfulness}"]) == 0
+    rewards = yaml.safe_load(capsys.readouterr().out)["rewards"]
+    assert rewards[0]["weights"] == {"brightness": 2.0} and rewards[1]["name"] == "colorfulness"
+    assert cli.main(["config", DEMO, "rewards.5.name=brightness"]) == 2
+    assert "not an index of a list of 1 item(s)" in capsys.readouterr().err
+
+
+def test_the_summary_never_prints_a_tracking_password(tmp_path):
+    from pipeline.commands import _summary_text
+    from pipeline.config import load_run_config
+    from pipeline.recipe import RunSummary
+
+    config = load_run_config(DEMO)
+    summary = RunSummary("completed", 1, tmp_path, None, "https://bob:pa55word@mlflow.example:443", "abc",
+                         [{"reward/mean": float("nan"), "iteration": 1}])
+    text = _summary_text(config, summary)
+    assert "pa55word" not in text and "mlflow.example" in text
+    assert "no sample was scored in iteration(s) [1]" in text
