@@ -3,7 +3,7 @@
 # registers itself as the challenger), promote (the config's registry gate on its tracking server).
 # For cron on a host, or as the CronJob's command (infra/k8s/base/cronjob.yaml); arguments go to `sagegrpo schedule`:
 #
-#   infra/scheduled_run.sh --config configs/hunyuanvideo15_sage_lora.yaml --prompts s3://BUCKET/prompts \
+#   infra/scheduled_run.sh configs/hunyuanvideo15_sage_lora.yaml --prompts s3://BUCKET/prompts \
 #       --checkpoint-root s3://BUCKET/scheduled --model NAME [--nproc-per-node 8] [--dry-run]
 #
 # A second start while one is running exits 0 at once: it holds a lock ($SAGEGRPO_SCHEDULE_LOCK) for its lifetime.

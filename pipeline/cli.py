@@ -293,7 +293,10 @@ def _parse_guard(spec: str) -> tuple[str, float]:
 
 def _add_schedule(subparsers) -> None:
     parser = subparsers.add_parser("schedule", help="the scheduled run: newest prompts, train (registers the challenger), promote")
-    parser.add_argument("--config", required=True, help="run config YAML")
+    parser.add_argument("config", nargs="?", help="run config YAML (or --config CONFIG)")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                        help="config overrides for training (the schedule's own keys come after and win)")
+    parser.add_argument("--config", dest="config_option", metavar="CONFIG", help=argparse.SUPPRESS)
     parser.add_argument("--prompts", required=True,
                         help="folder or s3:// prefix of prompt files, one per set, the newest sorting last "
                              "(e.g. 2026-12-02.jsonl)")
@@ -309,8 +312,13 @@ def _add_schedule(subparsers) -> None:
 def _schedule(args) -> int:
     from pipeline.schedule import ScheduleOptions, run_schedule
 
-    return run_schedule(ScheduleOptions(args.config, args.prompts, args.checkpoint_root, args.model, args.work_dir,
-                                        args.nproc_per_node, args.date, args.dry_run))
+    if args.config_option and args.config and "=" in args.config:  # `--config C key=value`: no positional config
+        args.config, args.overrides = None, [args.config, *args.overrides]
+    if bool(args.config) == bool(args.config_option):
+        raise UserError("schedule: give the run config once, as `sagegrpo schedule CONFIG ...` (or --config CONFIG)")
+    return run_schedule(ScheduleOptions(args.config or args.config_option, args.prompts, args.checkpoint_root,
+                                        args.model, args.work_dir, args.nproc_per_node, args.date, args.dry_run,
+                                        tuple(args.overrides)))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -61,6 +61,7 @@ class ScheduleOptions:
     nproc_per_node: int = 8
     date: date | None = None
     dry_run: bool = False
+    overrides: tuple[str, ...] = ()            # the user's key=value overrides, before the schedule's own
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,8 @@ def read_runs(root: Store) -> list[RunState]:
 def run_overrides(decision: Decision, args: ScheduleOptions, root: Store) -> list[str]:
     """The config overrides that make training one scheduled run: its identity and checkpoints under the checkpoint
     root, outputs and caches on local disk, its prompt set, and registration of the result as the challenger."""
-    return [f"run.name={decision.run_name}", f"run.output_dir={Path(args.work_dir) / decision.run_name}",
+    return [*args.overrides,
+            f"run.name={decision.run_name}", f"run.output_dir={Path(args.work_dir) / decision.run_name}",
             f"checkpoint.uri={root.join(decision.run_name)}/checkpoints",
             f"data.source={Store(args.prompts).join(decision.prompt_set)}",
             f"registry.model_name={args.model}", "registry.promote=false"]

@@ -51,7 +51,7 @@ def scheduled(tmp_path, mlflow_server):
     root, work = tmp_path / "scheduled", tmp_path / "work"
 
     def start(day: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "pipeline.cli", "schedule", "--config", str(config_path),
+        command = [sys.executable, "-m", "pipeline.cli", "schedule", str(config_path),
                    "--prompts", str(prompt_dir), "--checkpoint-root", str(root), "--model", MODEL,
                    "--work-dir", str(work), "--nproc-per-node", "1", "--date", day]
         # The steps run `sagegrpo` as the image does: from PATH.

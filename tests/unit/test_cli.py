@@ -90,3 +90,16 @@ def test_the_summary_never_prints_a_tracking_password(tmp_path):
     text = _summary_text(config, summary)
     assert "pa55word" not in text and "mlflow.example" in text
     assert "no sample was scored in iteration(s) [1]" in text
+
+
+@pytest.mark.parametrize("argv", [
+    ["schedule", DEMO, "seed=3", "--prompts", "p", "--checkpoint-root", "r", "--model", "m"],
+    ["schedule", "--config", DEMO, "--prompts", "p", "--checkpoint-root", "r", "--model", "m", "seed=3"],
+])
+def test_schedule_takes_the_config_like_the_other_commands(monkeypatch, argv):
+    from pipeline import schedule
+
+    seen = []
+    monkeypatch.setattr(schedule, "run_schedule", lambda options: seen.append(options) or 0)
+    assert cli.main(argv) == 0
+    assert (seen[0].config, seen[0].overrides, seen[0].model) == (DEMO, ("seed=3",), "m")
