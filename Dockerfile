@@ -43,9 +43,11 @@ RUN TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" DS_BUILD_FUSED_ADAM=1 DS_BUIL
 # Dependencies before the source, so editing code does not reinstall them.
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY constraints ./constraints
 # psycopg2 is for the MLflow server (infra/k8s/base/mlflow.yaml), which runs from this image on a Postgres store.
+# The constraints pin every dependency to the versions the test suite ran with (scripts/freeze_constraints.sh).
 RUN mkdir -p core stages pipeline && touch core/__init__.py stages/__init__.py pipeline/__init__.py \
- && pip install . "psycopg2-binary>=2.9,<3" && pip uninstall -y sage-grpo
+ && pip install -c constraints/production.txt ".[video]" "psycopg2-binary>=2.9,<3" && pip uninstall -y sage-grpo
 # Editable on purpose: the package finds deepspeed_configs/ beside itself (stages/update.py), so the code must run
 # from /app, where the runtime stage puts the same tree.
 COPY core ./core
