@@ -7,7 +7,8 @@ Recipe, per call of ``generate``:
      every step's noise come from it, so a sample is the same whatever the batch size, order or number of ranks;
   4. batches of samples go through the T denoising steps: velocity, then ``sde.sde_step`` inside the stochastic window
      (Euler outside it), recording latents and log-probs in float32;
-  5. the final latents are decoded to uint8 videos.
+  5. each batch's final latents are decoded to uint8 videos as soon as the batch is done, and handed to ``on_batch``
+     (so batch i can be scored, in another thread, while batch i+1 is generated: ``Scorer.overlapped``).
 
 ``score_transition`` is the one scorer of a recorded transition: ``recompute_log_probs``, the update's policy, anchor
 and lagged forwards and the equalizer diagnostic all call it, and ``SDEConfig.trained_steps_mask`` is the one rule
@@ -22,8 +23,9 @@ rollout's ``batch_size`` as its micro-batch size.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -58,7 +60,7 @@ class SDEConfig(BaseModel):
     window: tuple[int, int] | None = None
 
     @model_validator(mode="after")
-    def _valid_schedule(self) -> "SDEConfig":
+    def _valid_schedule(self) -> SDEConfig:
         if self.window is not None:
             start, end = self.window
             if not 0 <= start < end <= self.steps:
@@ -157,12 +159,16 @@ def generate(
     decode: bool = True,
     progress: bool = True,
     embeddings: PromptEmbeddings | None = None,
+    on_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> Rollout:
     """Roll out ``group_size`` samples for each prompt. ``prompt_ids`` name the groups (default 0..P-1) and must be
     unique across ranks within a step, or two ranks would draw the same samples. ``batch_size`` samples share a
-    transformer call; the progress bar shows on rank 0 only."""
+    transformer call; the progress bar shows on rank 0 only. ``on_batch(videos, sample_index)`` receives each batch's
+    decoded uint8 videos and their sample indices as soon as the batch is done (sample n renders prompt n // G)."""
     if group_size < 1 or batch_size < 1:
         raise ValueError(f"group_size and batch_size must be >= 1, got {group_size} and {batch_size}")
+    if on_batch is not None and not decode:
+        raise ValueError("on_batch receives decoded videos: it needs decode=True")
     prompt_ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
     if len(prompt_ids) != len(prompts):
         raise ValueError(f"{len(prompt_ids)} prompt_ids for {len(prompts)} prompts")
@@ -180,8 +186,9 @@ def generate(
     generators = [torch.Generator().manual_seed(s) for s in seeds]
     batches = list(torch.arange(len(prompt_index)).split(batch_size))
 
-    bar = tqdm(total=len(batches) * sde_config.steps, desc="rollout", leave=False, disable=not (progress and _is_main_rank()))
-    chains = []
+    bar = tqdm(total=len(batches) * sde_config.steps, desc="rollout", leave=False,
+               disable=not (progress and _is_main_rank()))
+    chains, decoded = [], []
     for batch in batches:
         chain = _denoise(
             adapter,
@@ -193,10 +200,14 @@ def generate(
             on_step=bar.update,
         )
         chains.append(chain)
+        if decode:
+            decoded.append(adapter.decode(chain["latents"][:, -1]))
+            if on_batch is not None:
+                on_batch(decoded[-1], batch)
     bar.close()
 
     latents = torch.cat([c["latents"] for c in chains])
-    videos = _decode_in_batches(adapter, latents[:, -1], batches) if decode else None
+    videos = torch.cat(decoded) if decode else None
     return Rollout(
         prompts=list(prompts),
         embeddings=embeddings,
@@ -243,10 +254,6 @@ def _step_sigmas(sigmas: torch.Tensor, t: int, batch: int, device) -> tuple[torc
     """Per-sample sigma and sigma_next of step t on ``device``, shaped [B]: the rollout and every scorer alike."""
     pair = sigmas[t:t + 2].to(device)
     return pair[0].expand(batch), pair[1].expand(batch)
-
-
-def _decode_in_batches(adapter, final_latents: torch.Tensor, batches: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([adapter.decode(final_latents[batch.to(final_latents.device)]) for batch in batches])
 
 
 def score_transition(adapter: VideoModelAdapter, rollout: Rollout, samples: torch.Tensor, t: int, *,

@@ -12,8 +12,9 @@ Recipe, per reward in the config:
 4. a reward that failed for more than ``max_failed_fraction`` of the batch stops the run (``RewardFailure``):
    a run that trains on a handful of surviving samples, or on none, must not end "completed".
 Then total = sum over rewards and their weighted dimensions of weight x score (``RewardSpec.effective_weights``);
-a sample missing any weighted score, or whose reward failed, has total None. ``score_async`` runs the same in a
-worker thread, so scoring one rollout batch can overlap generating the next.
+a sample missing any weighted score, or whose reward failed, has total None. ``Scorer.overlapped`` runs the same
+per rollout batch in a worker thread while the next batch is generated (``generate(..., on_batch=sink.submit)``),
+and assembles the same ScoredBatch once every batch is in.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,7 +102,6 @@ class Scorer:
         self.failures: Counter[str] = Counter()
         # Dimensions each reward reported before, in its order: a failed call still reports them, as None.
         self._known_dimensions: dict[str, dict[str, None]] = {spec.name: {} for spec in specs}
-        self._executor: ThreadPoolExecutor | None = None
 
     def setup(self, device) -> None:
         for _, reward in self.rewards:
@@ -119,45 +120,59 @@ class Scorer:
         if len(videos) != len(prompts):
             raise ValueError(f"{len(videos)} videos for {len(prompts)} prompts")
         columns = metadata_columns(metadata, len(videos))
+        return self._assemble(self._attempts(videos, prompts, columns, list(range(len(videos)))), len(videos))
+
+    @contextmanager
+    def overlapped(self, prompts: list[str], metadata: Sequence[Mapping] | None = None, *, fps: int):
+        """Score a batch's videos while the next batch is generated: yields an ``OverlappedScoring`` whose
+        ``submit(videos, index)`` queues the uint8 videos [b, F, H, W, 3] of samples ``index`` (positions in
+        ``prompts``, one prompt per sample) for a worker thread, and whose ``result()`` waits for every submitted
+        batch and returns the ScoredBatch ``score`` would return for all samples at once. Reward calls run one
+        after another in submission order; on an error inside the block, queued batches are dropped."""
+        sink = OverlappedScoring(self, prompts, metadata_columns(metadata, len(prompts)), fps)
+        try:
+            yield sink
+        finally:
+            sink.close()
+
+    def _attempts(self, videos: VideoBatch, prompts: list[str], columns: Columns,
+                  index: list[int]) -> dict[str, list[tuple[list[int], _Attempt]]]:
+        """Every reward on these samples, in sub-batches of its ``batch_size``: per reward, (sample positions,
+        attempt) pairs. ``index`` gives the samples' positions in the whole batch the result is assembled for."""
+        attempts = {}
+        for spec, reward in self.rewards:
+            selected = self._parameters[spec.name].select(columns, spec.name)
+            size = spec.batch_size or len(videos)
+            attempts[spec.name] = [(index[start:start + size],
+                                    self._call_with_retries(spec.name, reward, videos[start:start + size],
+                                                            prompts[start:start + size],
+                                                            slice_columns(selected, start, start + size)))
+                                   for start in range(0, len(videos), size)]
+        return attempts
+
+    def _assemble(self, attempts: dict[str, list[tuple[list[int], _Attempt]]], size: int) -> ScoredBatch:
+        """The ScoredBatch of ``size`` samples from every reward's attempts (which may have come in any order)."""
         dimensions: Scores = {}
         owners: dict[str, str] = {}
         weights: dict[str, float] = {}
-        failed_samples = [False] * len(videos)
+        failed_samples = [False] * size
         failed_counts: dict[str, int] = {}
         for spec, reward in self.rewards:
-            scores, failed, reward_weights = self._score_reward(spec, reward, videos, prompts, columns)
+            scores, failed, reward_weights = self._reward_scores(spec, reward, attempts[spec.name], size)
             merge_dimensions(dimensions, scores, spec.name, owners)
             weights.update(reward_weights)
             failed_samples = [a or b for a, b in zip(failed_samples, failed)]
             if any(failed):
                 failed_counts[spec.name] = sum(failed)
                 self.failures[spec.name] += sum(failed)
-        total = weighted_total(dimensions, weights, len(videos))
+        total = weighted_total(dimensions, weights, size)
         total = [None if failed else value for value, failed in zip(total, failed_samples)]
         return ScoredBatch(total=total, dimensions=dimensions, failed=failed_counts,
                            weights={name: weight for name, weight in weights.items() if weight != 0})
 
-    def score_async(self, videos: VideoBatch, prompts: list[str],
-                    metadata: Sequence[Mapping] | None = None) -> Future:
-        """``score`` in a single background thread (calls run one after another); returns a Future[ScoredBatch]."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scorer")
-        return self._executor.submit(self.score, videos, prompts, metadata)
-
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
-
-    def _score_reward(self, spec: RewardSpec, reward, videos: VideoBatch, prompts: list[str],
-                      columns: Columns) -> tuple[Scores, list[bool], dict[str, float]]:
-        """One reward over the batch in sub-batches; failed sub-batches are None in every known dimension."""
-        columns = self._parameters[spec.name].select(columns, spec.name)
-        size = spec.batch_size or len(videos)
-        attempts = [(start, self._call_with_retries(spec.name, reward, videos[start:start + size],
-                                                    prompts[start:start + size],
-                                                    slice_columns(columns, start, start + size)))
-                    for start in range(0, len(videos), size)]
+    def _reward_scores(self, spec: RewardSpec, reward, attempts: list[tuple[list[int], _Attempt]],
+                       size: int) -> tuple[Scores, list[bool], dict[str, float]]:
+        """One reward's scores from its attempts; failed sub-batches are None in every known dimension."""
         known = self._known_dimensions[spec.name]
         for _, attempt in attempts:
             known.update(dict.fromkeys(attempt.scores or {}))
@@ -166,15 +181,15 @@ class Scorer:
             if attempt.scores is not None:
                 self._check_weighted_dimensions(spec.name, weights, attempt.scores)
         known.update(dict.fromkeys(weights))
-        scores: Scores = {dimension: [None] * len(videos) for dimension in known}
-        failed = [False] * len(videos)
-        for start, attempt in attempts:
-            stop = min(start + size, len(videos))
-            if attempt.scores is None:
-                failed[start:stop] = [True] * (stop - start)
-                continue
-            for dimension, values in attempt.scores.items():
-                scores[dimension][start:stop] = values
+        scores: Scores = {dimension: [None] * size for dimension in known}
+        failed = [False] * size
+        for index, attempt in attempts:
+            for position, sample in enumerate(index):
+                if attempt.scores is None:
+                    failed[sample] = True
+                    continue
+                for dimension, values in attempt.scores.items():
+                    scores[dimension][sample] = values[position]
         self._check_failed_fraction(spec.name, failed, [a.error for _, a in attempts if a.error])
         return scores, failed, weights
 
@@ -224,15 +239,11 @@ class Scorer:
             return reward(videos, prompts, **columns)
         outcome: dict[str, Any] = {}
         done = threading.Event()
-        grad_enabled = torch.is_grad_enabled()
-        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        call = in_this_threads_state(reward)
 
         def work() -> None:
             try:
-                if device is not None:
-                    torch.cuda.set_device(device)
-                with torch.set_grad_enabled(grad_enabled):
-                    outcome["value"] = reward(videos, prompts, **columns)
+                outcome["value"] = call(videos, prompts, **columns)
             except BaseException as error:  # handed to the caller, which decides what it means
                 outcome["error"] = error
             finally:
@@ -253,6 +264,60 @@ class Scorer:
         if unknown:
             raise UserError(f"reward {name!r} has no dimension(s) {', '.join(unknown)} to weight "
                             f"(it reports {', '.join(sorted(scores))})")
+
+
+class OverlappedScoring:
+    """The sink of ``Scorer.overlapped``: batches scored in one worker thread while the caller goes on."""
+
+    def __init__(self, scorer: Scorer, prompts: list[str], columns: Columns, fps: int):
+        self.scorer, self.prompts, self.columns, self.fps = scorer, list(prompts), columns, fps
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scorer")
+        # The thread that opened the sink is the one the calls must look made from (generate, which calls submit,
+        # runs under no_grad).
+        self._score = in_this_threads_state(scorer._attempts)
+        self._jobs: list[Future] = []
+        self._submitted: set[int] = set()
+
+    def submit(self, videos: torch.Tensor, index: torch.Tensor | Sequence[int]) -> None:
+        """Queue the uint8 videos [b, F, H, W, 3] of samples ``index``; returns at once."""
+        index = [int(i) for i in index]
+        if len(index) != len(videos):
+            raise ValueError(f"{len(videos)} videos for {len(index)} sample indices")
+        if self._submitted.intersection(index) or not all(0 <= i < len(self.prompts) for i in index):
+            raise ValueError(f"sample indices {index} repeat a submitted one or lie outside 0..{len(self.prompts) - 1}")
+        self._submitted.update(index)
+        batch = VideoBatch.from_tensor(videos, self.fps)
+        prompts = [self.prompts[i] for i in index]
+        columns = {name: [values[i] for i in index] for name, values in self.columns.items()}
+        self._jobs.append(self._executor.submit(self._score, batch, prompts, columns, index))
+
+    def result(self) -> ScoredBatch:
+        """Waits for every submitted batch; a reward's error (a wrong output, too many failures) is raised here."""
+        if len(self._submitted) != len(self.prompts):
+            raise ValueError(f"{len(self._submitted)} of {len(self.prompts)} samples were submitted for scoring")
+        attempts: dict[str, list] = {spec.name: [] for spec, _ in self.scorer.rewards}
+        for job in self._jobs:
+            for name, pairs in job.result().items():
+                attempts[name].extend(pairs)
+        return self.scorer._assemble(attempts, len(self.prompts))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def in_this_threads_state(function):
+    """``function`` wrapped to run, in any thread, under the calling thread's grad mode and CUDA device (both are
+    per thread in PyTorch), so a call made in a worker behaves as if made inline."""
+    grad_enabled = torch.is_grad_enabled()
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+    def call(*args, **kwargs):
+        if device is not None:
+            torch.cuda.set_device(device)
+        with torch.set_grad_enabled(grad_enabled):
+            return function(*args, **kwargs)
+
+    return call
 
 
 def _describe(error: BaseException) -> str:

@@ -160,14 +160,6 @@ def test_reward_failing_after_retries_scores_none_and_is_counted():
     assert all(value is not None for value in result.dimensions["brightness"])
 
 
-def test_score_async_equals_score():
-    run = scorer({"name": "brightness"}, {"name": "colorfulness"})
-    batch = videos(3)
-    future = run.score_async(batch, list("abc"))
-    assert future.result(timeout=30) == run.score(batch, list("abc"))
-    run.close()
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Cheap pixel rewards
 # ----------------------------------------------------------------------------------------------------------------
