@@ -1,0 +1,146 @@
+"""DeepSpeed's JIT-built ops, and the lock that can stall every run that loads them.
+
+DeepSpeed builds some ops on first use (on CPU: its shared-memory communication op, loaded by
+``deepspeed.init_distributed``, and ``cpu_adam`` for optimizer offload) through torch's ``cpp_extension``, which
+guards each op's build folder with ``<folder>/lock``: created with O_EXCL, removed when the build or load ends.
+A process killed in between leaves the lock behind, and every later process then waits in ``FileBaton.wait``
+forever, printing nothing. With the cache on a shared volume, one killed pod stalls every later pod.
+
+``clear_stale_locks`` runs before DeepSpeed loads anything. A lock is stale when no process on this machine has it
+open (torch keeps the lock's file descriptor open for the whole build) and nothing in its folder has been written
+for ``stale_after_s`` (a live build writes an object file at least every few minutes, on any machine sharing the
+cache). A stale lock is taken over: a warning names it and it is removed. Taking over rather than stopping with an
+error, because the lock guards no data, only a rebuild, and an error would turn a silent hang into a restart loop
+that needs a person; the quiet bound is what keeps a slow live build on another machine from being raced.
+A lock held by a live process here that has gone quiet as long is a stuck build: a one-line error names its pid
+(removing that lock would let the stuck process delete a later holder's lock when it ends).
+Waiting for a live build says what it waits for, once.
+
+``prebuild_ops`` builds the ops at set-up (``scripts/setup.sh``), so no training run builds them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from core.errors import UserError
+
+log = logging.getLogger(__name__)
+
+STALE_AFTER_S = 300.0
+# The CPU ops DeepSpeed loads in this project, by build folder: communication (every run), Adam (optimizer offload).
+CPU_OPS = {"deepspeed_shm_comm": "ShareMemCommBuilder", "cpu_adam": "CPUAdamBuilder"}
+
+
+def extensions_root() -> Path:
+    """Where torch builds extensions: torch's own rule (``cpp_extension._get_build_directory``, private):
+    ``$TORCH_EXTENSIONS_DIR`` as is, else the user cache folder plus ``py<ver>_<accelerator>``."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if torch.version.hip is not None:
+        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_{accelerator}"
+
+
+def clear_stale_locks(root: str | Path | None = None, stale_after_s: float = STALE_AFTER_S,
+                      poll_s: float = 1.0) -> list[Path]:
+    """Wait for every op lock under ``root`` to be released, taking over the stale ones (see the module docstring).
+    Returns the locks removed. Call once per machine before DeepSpeed loads an op."""
+    root = Path(root) if root is not None else extensions_root()
+    removed = []
+    for lock in sorted(root.glob("*/lock")):
+        if _wait_or_take_over(lock, stale_after_s, poll_s):
+            removed.append(lock)
+    return removed
+
+
+def _wait_or_take_over(lock: Path, stale_after_s: float, poll_s: float) -> bool:
+    told = False
+    while True:
+        try:
+            inode = lock.stat().st_ino
+        except FileNotFoundError:
+            return False  # released
+        holders = _local_holders(lock)
+        quiet_s = time.time() - _last_write(lock.parent)
+        if quiet_s > stale_after_s:
+            if holders:
+                raise UserError(f"DeepSpeed op build in {lock.parent} (pid {', '.join(map(str, holders))}) has "
+                                f"written nothing for {quiet_s:.0f} s and looks stuck: stop it and run again")
+            return _take_over(lock, inode, quiet_s)
+        if not told:
+            who = f"pid {', '.join(map(str, holders))}" if holders else "a process on another machine sharing the cache"
+            log.warning("waiting for the DeepSpeed op build in %s (%s) to release %s; taken over if nothing is "
+                        "written there for %.0f s", lock.parent, who, lock.name, stale_after_s)
+            told = True
+        time.sleep(poll_s)
+
+
+def _take_over(lock: Path, inode: int, quiet_s: float) -> bool:
+    try:
+        if lock.stat().st_ino != inode:
+            return False  # another process took it over and holds a new lock since we looked
+        lock.unlink()
+    except FileNotFoundError:
+        return False
+    log.warning("removed the stale DeepSpeed op lock %s (no process holds it, nothing written for %.0f s: a build "
+                "or load was killed); the op is rebuilt or loaded normally", lock, quiet_s)
+    return True
+
+
+def _last_write(folder: Path) -> float:
+    """The newest modification time in an op's build folder (a build in progress keeps writing object files)."""
+    times = [folder.stat().st_mtime]
+    for entry in folder.iterdir():
+        try:
+            times.append(entry.stat().st_mtime)
+        except FileNotFoundError:
+            continue  # deleted while we looked (ninja replacing a file)
+    return max(times)
+
+
+def _local_holders(lock: Path) -> list[int]:
+    """Processes on this machine with ``lock`` open (torch's FileBaton keeps the descriptor for the whole build)."""
+    target = str(lock.resolve())
+    holders = []
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) == target for fd in fd_dir.iterdir()):
+                holders.append(int(fd_dir.parent.name))
+        except OSError:
+            continue  # a process that ended, or one we may not inspect
+    return holders
+
+
+def prebuild_ops() -> None:
+    """Build the CPU ops DeepSpeed uses here, skipping those already built (without importing DeepSpeed when all
+    are); nothing to do on other accelerators, whose images build their ops at install time (see the Dockerfile)."""
+    root = extensions_root()
+    if root.is_dir():
+        clear_stale_locks(root)
+    missing = [name for name in CPU_OPS if not any((root / name).glob(f"{name}*.so"))]
+    if not missing:
+        print(f"DeepSpeed CPU ops already built in {root}")
+        return
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return
+    for name in missing:
+        builder = get_accelerator().create_op_builder(CPU_OPS[name])
+        if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+            print(f"DeepSpeed op {name}: building in {root / name} (a minute or two, once)", flush=True)
+            builder.load(verbose=False)

@@ -1,0 +1,121 @@
+"""A DeepSpeed op lock left by a killed build is taken over; a live build is waited for; a stuck one is named.
+
+Everything happens in a temporary TORCH_EXTENSIONS_DIR: the real op cache is never touched.
+"""
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from torch.utils import file_baton
+
+from core.errors import UserError
+from core.ops_cache import clear_stale_locks, extensions_root, prebuild_ops
+
+pytestmark = pytest.mark.unit
+
+HOUR_AGO = time.time() - 3600
+
+
+@pytest.fixture
+def extensions(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    return tmp_path
+
+
+def op_folder(root, age_s=None):
+    """A build folder as torch leaves it, with a lock; files dated ``age_s`` ago (None: now)."""
+    folder = root / "deepspeed_shm_comm"
+    folder.mkdir()
+    for file in ("build.ninja", "shm.o", "lock"):
+        (folder / file).write_text("")
+    if age_s is not None:
+        for path in (folder, *folder.iterdir()):
+            os.utime(path, (time.time() - age_s,) * 2)
+    return folder / "lock"
+
+
+def hold(lock, seconds):
+    """A process that holds ``lock`` as torch's FileBaton does (O_EXCL, fd open), then releases it."""
+    code = ("import os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); print('held', flush=True); "
+            "time.sleep(float(sys.argv[2])); os.close(fd); os.remove(sys.argv[1])")
+    lock.unlink()
+    holder = subprocess.Popen([sys.executable, "-c", code, str(lock), str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+def baton_waits(lock, timeout_s=3.0) -> bool:
+    """Whether torch's own FileBaton.wait (where DeepSpeed's op load hangs) is still waiting after ``timeout_s``."""
+    # torch's file_baton.py loaded on its own (it needs only os and time): importing torch would eat the timeout.
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('file_baton', sys.argv[2]); "
+            "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+            "module.FileBaton(sys.argv[1]).wait()")
+    try:
+        subprocess.run([sys.executable, "-c", code, str(lock), file_baton.__file__], timeout=timeout_s, check=True)
+    except subprocess.TimeoutExpired:
+        return True
+    return False
+
+
+def test_extensions_root_follows_torch_extensions_dir(extensions):
+    assert extensions_root() == extensions
+
+
+def test_a_stale_lock_hangs_torch_and_is_taken_over_with_a_warning(extensions, caplog):
+    lock = op_folder(extensions, age_s=3600)
+    assert baton_waits(lock)  # the bug: a later run would wait here forever
+    with caplog.at_level(logging.WARNING, logger="core.ops_cache"):
+        assert clear_stale_locks(stale_after_s=300) == [lock]
+    assert not lock.exists() and not baton_waits(lock)
+    assert "removed the stale DeepSpeed op lock" in caplog.text and str(lock) in caplog.text
+
+
+def test_a_lock_held_by_a_live_build_here_is_waited_for_not_removed(extensions, caplog):
+    lock = op_folder(extensions)
+    holder = hold(lock, seconds=1.5)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="core.ops_cache"):
+        assert clear_stale_locks(stale_after_s=300, poll_s=0.1) == []
+    assert time.monotonic() - started >= 1.0 and holder.wait(timeout=10) == 0  # the holder removed its own lock
+    assert f"pid {holder.pid}" in caplog.text and caplog.text.count("waiting for the DeepSpeed op build") == 1
+
+
+def test_a_live_holder_that_wrote_nothing_for_too_long_is_named_not_raced(extensions):
+    lock = op_folder(extensions, age_s=3600)
+    holder = hold(lock, seconds=30)
+    for path in (lock, lock.parent):
+        os.utime(path, (HOUR_AGO, HOUR_AGO))
+    try:
+        with pytest.raises(UserError, match=f"pid {holder.pid}.*looks stuck"):
+            clear_stale_locks(stale_after_s=300)
+        assert lock.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_recent_lock_without_a_holder_here_is_taken_over_once_quiet(extensions):
+    # Another machine sharing the cache may be building: wait until the folder has been quiet for the bound.
+    lock = op_folder(extensions)
+    started = time.monotonic()
+    assert clear_stale_locks(stale_after_s=1.0, poll_s=0.1) == [lock]
+    assert 1.0 <= time.monotonic() - started < 5
+
+
+def test_prebuild_skips_built_ops_and_clears_their_stale_locks(extensions, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # built ops need no DeepSpeed import (setup stays fast)
+    (extensions / "cpu_adam").mkdir()
+    (extensions / "cpu_adam" / "cpu_adam.so").write_text("")
+    (extensions / "deepspeed_shm_comm").mkdir()
+    (extensions / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_text("")
+    lock = extensions / "deepspeed_shm_comm" / "lock"
+    lock.write_text("")
+    for path in (lock, lock.parent, lock.parent / "deepspeed_shm_comm.so"):
+        os.utime(path, (HOUR_AGO, HOUR_AGO))
+    prebuild_ops()
+    assert not lock.exists()
+    assert "already built" in capsys.readouterr().out
