@@ -203,18 +203,34 @@ def _add_serve_reward(subparsers) -> None:
     parser.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 to serve other machines)")
     parser.add_argument("--device", help="device for the reward models (default: cuda if available, else cpu)")
+    parser.add_argument("--max-body-mb", type=float, default=1024.0, help="largest request body (default 1024)")
+    parser.add_argument("--workers", type=int, default=8, help="connections handled at once (default 8)")
+    parser.add_argument("--read-timeout", type=float, default=60.0, help="seconds to receive one request")
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds to score one request")
+    parser.add_argument("--max-batch", type=int, default=32, help="videos per merged reward call")
+    parser.add_argument("--token-env", metavar="VAR", help="require the bearer token held in this variable")
+    parser.add_argument("--token-file", metavar="FILE", help="require the bearer token held in this file")
     parser.set_defaults(handler=_serve_reward)
 
 
 def _serve_reward(args) -> int:
     import torch
 
-    from core.rewards.server import load_reward_specs, serve
+    from pydantic import ValidationError
+
+    from core.config_loading import one_line
+    from core.rewards.server import ServerSettings, load_reward_specs, serve
 
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    try:
+        settings = ServerSettings(max_body_mb=args.max_body_mb, workers=args.workers, read_timeout_s=args.read_timeout,
+                                  request_timeout_s=args.request_timeout, max_batch=args.max_batch,
+                                  token_env=args.token_env, token_file=args.token_file)
+    except ValidationError as error:
+        raise UserError(f"serve-reward: {one_line(error)}") from None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    serve(load_reward_specs(args.config), args.host, args.port, device)
+    serve(load_reward_specs(args.config), args.host, args.port, device, settings)
     return 0
 
 
