@@ -106,6 +106,10 @@ class Batcher:
     def submit(self, videos: VideoBatch, prompts: list[str]) -> Future:
         job = _Job(videos, prompts)
         with self._ready:
+            # Jobs whose clients timed out leave now, not when a hung reward returns: the queue (and the videos it
+            # holds) stays bounded by the requests actually waiting, at most one per worker.
+            for stale in [queued for queued in self._queue if queued.future.cancelled()]:
+                self._queue.remove(stale)
             self._queue.append(job)
             self._ready.notify()
         return job.future
