@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from core.storage import CheckpointConfig
+from tests.helpers import free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -19,20 +20,12 @@ WORKER = Path(__file__).with_name("per_rank_checkpoint_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_ranks_without_a_shared_folder_checkpoint_and_restore(tmp_path, stage):
     root = tmp_path / "store"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
-               f"--master-port={_free_port()}", str(WORKER), "--stage", stage, "--root", str(root),
+               f"--master-port={free_port()}", str(WORKER), "--stage", stage, "--root", str(root),
                "--out", str(tmp_path)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]

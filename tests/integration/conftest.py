@@ -7,9 +7,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,16 +15,11 @@ from urllib.parse import urlparse
 import boto3
 import pytest
 
+from tests.helpers import free_port, wait_until_answering
 from tests.integration.mlflow_fixture import mlflow_server  # noqa: F401  (a real `mlflow server`, module scope)
 
 MOTO_SERVER = Path(sys.executable).parent / "moto_server"
 STARTUP_TIMEOUT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class MotoServer:
@@ -54,17 +46,12 @@ class MotoServer:
             self._process.wait(timeout=10)
 
     def _wait_until_answering(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline and self._process.poll() is None:
-            try:
-                urllib.request.urlopen(f"{self.endpoint_url}/moto-api/", timeout=1).close()
-                return
-            except urllib.error.HTTPError:
-                return  # any HTTP answer means the server is up
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"moto_server on port {self.port} did not come up:\n{self._log.read_text()[-2000:]}")
+        try:
+            wait_until_answering(f"{self.endpoint_url}/moto-api/", self._process, STARTUP_TIMEOUT_S,
+                                 on_failure=lambda: self._log.read_text()[-2000:], any_http_answer=True)
+        except RuntimeError:
+            self.stop()
+            raise
 
 
 class RestartableEndpoint:

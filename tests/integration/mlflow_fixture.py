@@ -8,32 +8,24 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port, wait_until_answering
+
 MLFLOW = Path(sys.executable).parent / "mlflow"
 STARTUP_TIMEOUT_S = 90.0
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class MlflowServer:
     """``stop`` kills the server abruptly (an outage); ``start`` brings it back with the same runs and artifacts."""
 
     def __init__(self, workdir: Path):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._workdir = workdir
         self._process: subprocess.Popen | None = None
@@ -64,16 +56,13 @@ class MlflowServer:
         self._process = None
 
     def _wait_until_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline and self._process.poll() is None:
-            try:
-                urllib.request.urlopen(f"{self.url}/health", timeout=1).close()
-                return
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.2)
-        log = (self._workdir / "mlflow-server.log").read_text(errors="replace")[-2000:]
-        self.stop()
-        raise RuntimeError(f"mlflow server on port {self.port} did not come up:\n{log}")
+        log = self._workdir / "mlflow-server.log"
+        try:
+            wait_until_answering(f"{self.url}/health", self._process, STARTUP_TIMEOUT_S,
+                                 on_failure=lambda: log.read_text(errors="replace")[-2000:])
+        except RuntimeError:
+            self.stop()
+            raise
 
 
 @pytest.fixture(scope="module")

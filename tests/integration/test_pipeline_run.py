@@ -8,17 +8,10 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests.helpers import free_port
 from tests.integration.pipeline_runs import DEMO, REPO, SHORT, environment, run_sagegrpo
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _the_run(tracking_uri: str, experiment: str):
@@ -75,7 +68,7 @@ def test_demo_single_process_against_mlflow_server(mlflow_server, tmp_path):
 
 def test_demo_two_processes_under_the_deepspeed_launcher(mlflow_server, tmp_path):
     command = [str(REPO / ".venv" / "bin" / "deepspeed") if (REPO / ".venv/bin/deepspeed").exists() else "deepspeed",
-               "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "pipeline.cli", "run", str(DEMO),
+               "--num_gpus", "2", "--master_port", str(free_port()), "--module", "pipeline.cli", "run", str(DEMO),
                f"run.output_dir={tmp_path}", *SHORT, "run.max_iterations=2",
                f"tracking.tracking_uri={mlflow_server.url}", "tracking.experiment=two-ranks"]
     result = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=600)

@@ -1,0 +1,190 @@
+"""The scheduled run: decisions, markers, commands and the lock (pipeline/schedule.py, infra/scheduled_run.sh)."""
+
+
+import fcntl
+import os
+import re
+import subprocess
+import sys
+from datetime import date
+from pathlib import Path
+
+import pytest
+import yaml
+
+from core.errors import RETRYABLE_EXIT_CODE, UserError
+from pipeline import schedule
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "infra" / "k8s"
+SECRET_NAME = re.compile(r"KEY|SECRET|PASSWORD|TOKEN", re.IGNORECASE)
+
+
+TODAY = date(2026, 12, 3)
+PROMPT_SETS = ["2026-11-20", "2026-12-01.jsonl", "_SUCCESS", ".2026-12-09.uploading"]
+
+
+def _run(name, prompt_set="2026-11-20", completed=()):
+    return schedule.RunState(name, prompt_set, frozenset(completed))
+
+
+def test_first_start_of_the_day_trains_a_new_run_on_the_newest_prompt_set():
+    decision = schedule.decide(TODAY, PROMPT_SETS, [_run("sage-2026-12-02", completed=schedule.STEPS)])
+    assert decision.action == "new"
+    assert decision.run_name == "sage-2026-12-03"
+    assert decision.prompt_set == "2026-12-01.jsonl"  # hidden and marker entries are not prompt sets
+    assert decision.steps == schedule.STEPS
+
+
+def test_a_complete_run_today_means_nothing_to_do():
+    decision = schedule.decide(TODAY, PROMPT_SETS, [_run("sage-2026-12-03", completed=schedule.STEPS)])
+    assert (decision.action, decision.steps) == ("skip", ())
+
+
+def test_a_prompt_set_already_trained_is_not_trained_again():
+    done = _run("sage-2026-12-02", prompt_set="2026-12-01.jsonl", completed=schedule.STEPS)
+    decision = schedule.decide(TODAY, PROMPT_SETS, [done])
+    assert (decision.action, decision.steps) == ("skip", ())
+    assert "already trained by sage-2026-12-02" in decision.reason
+
+
+def test_an_unfinished_run_is_resumed_from_its_first_unfinished_step_on_its_own_prompts():
+    runs = [_run("sage-2026-11-30", completed=schedule.STEPS), _run("sage-2026-12-01", completed={"train"}),
+            _run("manual-experiment")]
+    decision = schedule.decide(TODAY, PROMPT_SETS, runs)
+    assert decision.action == "resume"
+    assert decision.run_name == "sage-2026-12-01"
+    assert decision.prompt_set == "2026-11-20"
+    assert decision.steps == ("promote",)
+
+
+def test_markers_of_runs_from_before_the_evaluate_step_was_dropped_still_read(tmp_path):
+    root = schedule.Store(str(tmp_path))
+    old_layout = {"sage-2026-12-01": ("train", "evaluate", "promote"), "sage-2026-12-02": ("train", "evaluate")}
+    for name, steps in old_layout.items():
+        root.write("2026-12-01\n", name, "schedule", "prompt_set")
+        for step in steps:
+            root.write("", name, "schedule", f"{step}.done")
+    complete, unfinished = schedule.read_runs(root)
+    assert complete.done and not unfinished.done
+    assert schedule.decide(TODAY, PROMPT_SETS, [complete, unfinished]).steps == ("promote",)
+
+
+def test_unscheduled_runs_are_ignored_and_missing_prompts_are_a_user_error():
+    with pytest.raises(UserError, match="no prompt set"):
+        schedule.decide(TODAY, ["_SUCCESS"], [_run("manual-experiment")])
+    with pytest.raises(UserError, match="prompt_set"):
+        schedule.decide(TODAY, PROMPT_SETS, [_run("sage-2026-12-01", prompt_set=None)])
+
+
+def _config(tmp_path: Path, tracking_uri: str | None = "http://mlflow.example:5000") -> Path:
+    """The demo config on a shared tracking server, as the scheduled run needs."""
+    config = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    config["tracking"] = {"tracking_uri": tracking_uri}
+    path = tmp_path / "scheduled.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _args(tmp_path: Path, day: str = "2026-12-03", dry_run: bool = False,
+          config: Path | None = None) -> schedule.ScheduleOptions:
+    prompts = tmp_path / "prompts"
+    for name in ("2026-12-01", "2026-12-02"):
+        (prompts / name).mkdir(parents=True, exist_ok=True)
+    return schedule.ScheduleOptions(str(config or _config(tmp_path)), str(prompts), str(tmp_path / "ckpt"), "m",
+                                    date=date.fromisoformat(day), dry_run=dry_run)
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """Steps become tiny Python commands whose statuses the test chooses; what ran is recorded."""
+    ran, statuses = [], {}
+
+    def command(step, decision, args, root):
+        ran.append((step, decision.run_name, decision.prompt_set))
+        return [sys.executable, "-c", f"raise SystemExit({statuses.get(step, 0)})"]
+    monkeypatch.setattr(schedule, "step_command", command)
+    return ran, statuses
+
+
+def test_starting_twice_the_same_day_does_not_train_twice(tmp_path, steps):
+    ran, _ = steps
+    assert schedule.run_schedule(_args(tmp_path)) == 0
+    assert ran == [(step, "sage-2026-12-03", "2026-12-02") for step in schedule.STEPS]
+    assert (tmp_path / "ckpt" / "sage-2026-12-03" / "schedule" / "prompt_set").read_text().strip() == "2026-12-02"
+    assert schedule.run_schedule(_args(tmp_path)) == 0
+    assert len(ran) == len(schedule.STEPS)  # the second start ran nothing
+
+
+def test_a_checkpointed_stop_is_passed_on_and_resumed_at_the_next_start(tmp_path, steps):
+    ran, statuses = steps
+    statuses["train"] = RETRYABLE_EXIT_CODE
+    assert schedule.run_schedule(_args(tmp_path)) == RETRYABLE_EXIT_CODE
+    assert not (tmp_path / "ckpt" / "sage-2026-12-03" / "schedule" / "train.done").exists()
+    statuses["train"] = 0
+    (tmp_path / "prompts" / "2026-12-04").mkdir()  # new data for the second day
+    # The next day's start finishes yesterday's run before starting a new one.
+    assert schedule.run_schedule(_args(tmp_path, day="2026-12-04")) == 0
+    assert ran[1:] == [(step, "sage-2026-12-03", "2026-12-02") for step in schedule.STEPS]  # its own prompts
+    assert schedule.run_schedule(_args(tmp_path, day="2026-12-04")) == 0
+    assert ran[-1] == ("promote", "sage-2026-12-04", "2026-12-04")
+
+
+def test_dry_run_writes_nothing(tmp_path, steps, capsys):
+    ran, _ = steps
+    assert schedule.run_schedule(_args(tmp_path, dry_run=True)) == 0
+    assert not (tmp_path / "ckpt").exists() and len(ran) == len(schedule.STEPS)
+    assert "schedule: new: new run sage-2026-12-03" in capsys.readouterr().out
+
+
+def test_train_step_runs_under_the_launcher_with_resume_auto(tmp_path):
+    args = _args(tmp_path)
+    decision = schedule.Decision("new", "sage-2026-12-03", "2026-12-02", schedule.STEPS, "")
+    command = schedule.step_command("train", decision, args, schedule.Store(args.checkpoint_root))
+    assert command[1:3] == ["-m", "pipeline.launch"]
+    assert command[command.index("--resume") + 1] == "auto"
+    assert f"data.source={tmp_path}/prompts/2026-12-02" in command
+    assert f"checkpoint.uri={tmp_path}/ckpt/sage-2026-12-03/checkpoints" in command
+    assert "run.output_dir=/cache/runs/sage-2026-12-03" in command
+    # The run registers its result as the challenger; the gate is the separate promote step.
+    assert {"registry.model_name=m", "registry.promote=false"} <= set(command)
+
+
+def test_promote_step_gates_with_the_configs_registry_settings(tmp_path):
+    args = _args(tmp_path)
+    decision = schedule.Decision("new", "sage-2026-12-03", "2026-12-02", schedule.STEPS, "")
+    command = schedule.step_command("promote", decision, args, schedule.Store(args.checkpoint_root))
+    assert command[:2] == ["sagegrpo", "promote"]
+    assert command[command.index("--config") + 1] == args.config
+    assert command[command.index("--model") + 1] == "m"
+    assert not any(part.startswith("--tracking-uri") for part in command)  # may hold credentials: logged lines
+
+
+@pytest.mark.parametrize("problem, tracking_uri, message", [
+    ("no shared tracking server", None, "needs tracking.tracking_uri"),
+    ("an invalid config", "http://mlflow:5000", "update.learning_rate"),
+])
+def test_a_config_the_scheduled_run_cannot_use_is_refused_before_any_step(tmp_path, steps, problem, tracking_uri,
+                                                                           message):
+    ran, _ = steps
+    config = _config(tmp_path, tracking_uri)
+    if problem == "an invalid config":
+        config.write_text(config.read_text().replace("learning_rate: 0.003", "learning_rate: -1"))
+    with pytest.raises(UserError, match=message):
+        schedule.run_schedule(_args(tmp_path, config=config))
+    assert ran == [] and not (tmp_path / "ckpt").exists()
+
+
+
+def test_scheduled_run_script_exits_quietly_while_another_holds_the_lock(tmp_path):
+    lock = tmp_path / "lock"
+    env = {**os.environ, "SAGEGRPO_SCHEDULE_LOCK": str(lock), "SAGEGRPO_PYTHON": "/bin/false"}
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        result = subprocess.run([str(ROOT / "infra" / "scheduled_run.sh"), "--dry-run"], env=env,
+                                capture_output=True, text=True, timeout=10)
+    assert result.returncode == 0 and "another scheduled run" in result.stdout
+    result = subprocess.run([str(ROOT / "infra" / "scheduled_run.sh")], env=env, capture_output=True, timeout=10)
+    assert result.returncode == 1  # unlocked: it went on to run $SAGEGRPO_PYTHON (here /bin/false)
