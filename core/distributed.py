@@ -40,6 +40,10 @@ def init(timeout_minutes: float = 30.0) -> None:
         return
     import deepspeed
 
+    from core.ops_cache import clear_stale_locks
+
+    # DeepSpeed loads (or JIT-builds) its ops here; a lock left by a process killed mid-build would hang every rank.
+    clear_stale_locks()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     os.environ.setdefault("RANK", "0")

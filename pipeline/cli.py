@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 from datetime import date
@@ -230,6 +231,8 @@ def _serve_reward(args) -> int:
     except ValidationError as error:
         raise UserError(f"serve-reward: {one_line(error)}") from None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
     serve(load_reward_specs(args.config), args.host, args.port, device, settings)
     return 0
 

@@ -76,7 +76,7 @@ def _summary_text(config: RunConfig, summary) -> str:
     if summary.tracking_uri:
         lines.append(f"  MLflow run:  {summary.run_id} at {mask_uri(summary.tracking_uri)}")
         if summary.tracking_uri.startswith("sqlite:"):
-            lines.append(f"  browse it:   mlflow ui --backend-store-uri {summary.tracking_uri}")
+            lines.append(f"  browse it:   mlflow ui --backend-store-uri {mask_uri(summary.tracking_uri)}")
     if summary.status == "preempted":
         lines.append(f"  resume with: sagegrpo run CONFIG --resume auto   (exit code {summary.exit_code}: retryable)")
     return "\n".join(lines)
