@@ -11,6 +11,12 @@ A request the server rejects as invalid cannot succeed by retrying: rejected met
 logged as an error; a run the server refuses to open turns tracking off. Either way the training goes on.
 Metric names are checked against MLflow's own rule before they are buffered: one bad name (a reward dimension
 called ``a//b``) is logged once and dropped, instead of making the server reject every batch it is part of.
+
+What a run records besides the config (what MLflow users look for): the git commit (MLflow's own
+``mlflow.source.git.commit`` tag, when the code runs from a git checkout), the versions of the packages that decide
+the result, the container image (``SAGEGRPO_IMAGE``), and whatever the recipe passes to :meth:`Tracker.describe`;
+MLflow's system metrics (CPU, memory, disk, network, GPU where ``nvidia-ml-py`` is installed) as ``system/*``;
+the prompt set as the run's dataset inputs (:meth:`Tracker.log_prompt_set`); images by step and tables.
 """
 
 from __future__ import annotations
@@ -18,16 +24,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import requests
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param
+from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_COMMIT, MLFLOW_GIT_DIRTY
 from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH, _validate_metric_name
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -37,6 +46,7 @@ from core.secrets import MASK, is_secret_key, mask_uri
 log = logging.getLogger(__name__)
 
 BUFFER_FILE = "mlflow-buffer.jsonl"
+MAX_TAG_LENGTH = 5000  # what most stores accept
 # Set only where the operator has not: a failed request fails in seconds, and we retry from the buffer instead.
 FAIL_FAST_HTTP = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
@@ -54,6 +64,9 @@ class TrackingConfig(BaseModel):
     experiment: str = "sage-grpo"
     run_name: str | None = None
     retry_interval_s: float = Field(60.0, ge=0)  # during an outage, how often to try the server again
+    # MLflow's system-metrics monitor (system/cpu_utilization_percentage, system/gpu_0_memory_usage_megabytes...)
+    system_metrics: bool = True
+    system_metrics_interval_s: float = Field(10.0, gt=0)
 
 
 # --- Params: the resolved config, flattened and masked ---------------------------------------------------------
@@ -136,6 +149,46 @@ def is_outage(error: Exception) -> bool:
 
 
 IDENTITY_TAG = "sagegrpo.run_id"  # the training run's identity, the one that owns its checkpoint root
+IMAGE_ENV = "SAGEGRPO_IMAGE"  # the container image the job runs in, set by the Dockerfile / manifests
+# The packages whose versions decide a result; each is a tag ``version.<package>``.
+VERSIONED_PACKAGES = ("sage-grpo", "torch", "deepspeed", "diffusers", "transformers", "peft", "mlflow")
+
+
+# --- Where the code came from ------------------------------------------------------------------------------------
+
+
+def environment_tags(source_dir: str | Path | None = None) -> dict[str, str]:
+    """Git commit (and whether the checkout has uncommitted changes), package versions and container image.
+
+    ``source_dir`` defaults to this package's directory: the commit of the code that runs, not of the directory the
+    job was started from. An installed package (no checkout) or a machine without git has no commit tag."""
+    tags = {f"version.{package}": _version(package) for package in VERSIONED_PACKAGES}
+    if os.environ.get(IMAGE_ENV):
+        tags["container.image"] = os.environ[IMAGE_ENV]
+    source_dir = Path(source_dir) if source_dir else Path(__file__).resolve().parent
+    commit = _git(source_dir, "rev-parse", "HEAD")
+    if commit:
+        tags[MLFLOW_GIT_COMMIT] = commit
+        changes = _git(source_dir, "status", "--porcelain", "--untracked-files=no")
+        tags[MLFLOW_GIT_DIRTY] = "true" if changes else "false"
+    return tags
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def _git(directory: Path, *args: str) -> str | None:
+    try:
+        result = subprocess.run(["git", *args], cwd=directory, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):  # no git binary, or a hung filesystem
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
 
 
 class Tracker:
@@ -156,6 +209,8 @@ class Tracker:
         self._retry_after = 0.0
         self._bad_names: set[str] = set()
         self._identity: str | None = None
+        self._tags: dict[str, str] = {}
+        self._system_metrics = None
         if self.enabled:
             for name, value in FAIL_FAST_HTTP.items():
                 os.environ.setdefault(name, value)
@@ -180,10 +235,50 @@ class Tracker:
         if not self.enabled:
             return None
         self._params = loggable_params(config)
+        self._tags = environment_tags()
         self._resume_id = run_id
         self._identity = identity
         self._sync()
         return self.run_id
+
+    def describe(self, tags: Mapping[str, Any], params: Mapping[str, Any]) -> None:
+        """Tags (model, sampler...) and derived params (world size, effective batch...) beside the config's. Kept
+        and sent with the params when the server is unreachable now; a resumed run keeps the params it started with
+        (MLflow params are write-once) and gets the tags again."""
+        if not self.enabled:
+            return
+        self._tags |= {key: str(value) for key, value in tags.items()}
+        self._params |= {key: _as_text(value) for key, value in params.items()}
+        self._params_logged = False
+        self._sync()
+
+    def log_prompt_set(self, prompt_set: Any, source: str) -> None:
+        """The prompts as the run's dataset inputs, one per split (MLflow's contexts ``training`` and
+        ``evaluation``), each with its digest, row count and schema, and the ingest report's counts as input tags.
+        ``prompt_set``: ``stages.ingest.PromptSet`` (``.train``, ``.eval``: prompts with ``.text`` and
+        ``.metadata``; ``.report.kept`` and ``.report.counts``)."""
+        if not self.enabled:
+            return
+        report = prompt_set.report
+        counts = {"kept": report.kept, **{f"skipped.{kind}": n for kind, n in report.counts.items()}}
+        inputs = [_dataset_input(prompts, source, context, counts)
+                  for prompts, context in ((prompt_set.train, "training"), (prompt_set.eval, "evaluation")) if prompts]
+        self._upload("prompt set", lambda: self._client.log_inputs(self.run_id, datasets=inputs))
+
+    def log_image(self, image: Any, key: str, step: int) -> None:
+        """An image (uint8 array [H, W, 3] or PIL image) in MLflow's image series ``key``, at ``step``: the UI shows
+        it with a step slider."""
+        if not self.enabled:
+            return
+        self._upload(f"image {key}", lambda: self._client.log_image(self.run_id, image, key=key, step=step,
+                                                                    synchronous=True))
+
+    def log_table(self, data: Mapping[str, list], artifact_file: str) -> None:
+        """Columns as an MLflow table (JSON artifact, shown in the UI's evaluation view); rows are appended when
+        ``artifact_file`` already exists, so one file holds every evaluation."""
+        if not self.enabled:
+            return
+        self._upload(f"table {artifact_file}", lambda: self._client.log_table(self.run_id, dict(data), artifact_file))
 
     def logged_through(self, key: str) -> int:
         """The highest step at which ``key`` was logged to this run (0 if never, or unknown during an outage): a run
@@ -193,7 +288,8 @@ class Tracker:
         try:
             return max((metric.step for metric in self._client.get_metric_history(self.run_id, key)), default=0)
         except (MlflowException, requests.RequestException, OSError) as error:
-            log.warning("could not read the MLflow run's history (%s); iterations may be logged twice", _first_line(error))
+            log.warning("could not read the MLflow run's history (%s); iterations may be logged twice",
+                        _first_line(error))
             return 0
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
@@ -245,6 +341,9 @@ class Tracker:
             return
         self._retry_after = 0.0
         self._sync()
+        if self._system_metrics is not None:
+            self._system_metrics.finish()  # joins its thread and sends what it sampled last
+            self._system_metrics = None
         if self.run_id is None or self._in_outage:
             log.warning("MLflow run not closed: the tracking server is unreachable; %s keeps the metrics", self._buffer)
             return
@@ -276,9 +375,22 @@ class Tracker:
         if self.run_id is None:
             resume_id = self._resume_id or self._run_with_identity()
             self.run_id = self._continue_run(resume_id) if resume_id else self._new_run()
+            self._start_system_metrics()
         if not self._params_logged:
             self._log_params()
             self._params_logged = True
+
+    def _start_system_metrics(self) -> None:
+        if not self.config.system_metrics:
+            return
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        # resume_logging: a continued run's system metrics go on from its last step instead of restarting at 0.
+        # The monitor stops by itself when it cannot reach the server (an outage) or the run is no longer RUNNING.
+        self._system_metrics = SystemMetricsMonitor(
+            self.run_id, sampling_interval=self.config.system_metrics_interval_s, resume_logging=True,
+            tracking_uri=self.tracking_uri)
+        self._system_metrics.start()
 
     def _new_run(self) -> str:
         tags = {IDENTITY_TAG: self._identity} if self._identity else None
@@ -317,7 +429,8 @@ class Tracker:
             # MLflow params are write-once: a resumed run keeps the values it started with.
             log.warning("config changed since MLflow run %s started; params keep old values: %s", self.run_id, changed)
         new = [Param(key, value) for key, value in self._params.items() if key not in existing]
-        self._client.log_batch(self.run_id, params=new)
+        tags = [RunTag(key, value[:MAX_TAG_LENGTH]) for key, value in self._tags.items()]
+        self._client.log_batch(self.run_id, params=new, tags=tags)
 
     def _send_buffer(self) -> None:
         if not self._buffer.exists():
@@ -366,6 +479,19 @@ class Tracker:
     @property
     def _safe_uri(self) -> str:
         return mask_uri(self.tracking_uri)
+
+
+def _dataset_input(prompts: list, source: str, context: str, counts: dict[str, int]) -> DatasetInput:
+    import mlflow.data
+    import pandas as pd
+
+    frame = pd.DataFrame([{"prompt": prompt.text, **prompt.metadata} for prompt in prompts])
+    with warnings.catch_warnings():
+        # A local path "can be interpreted in multiple ways" (two equivalent local sources): MLflow picks one.
+        warnings.simplefilter("ignore", UserWarning)
+        dataset = mlflow.data.from_pandas(frame, source=mask_uri(source), name=Path(source).name or source)
+    tags = [InputTag(MLFLOW_DATASET_CONTEXT, context)] + [InputTag(key, str(n)) for key, n in counts.items()]
+    return DatasetInput(dataset._to_mlflow_entity(), tags=tags)
 
 
 def _read_rows(buffer: Path) -> list[dict[str, Any]]:
