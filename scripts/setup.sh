@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
 # Creates .venv at the repo root and installs sage-grpo with its dev extra. Idempotent: a second run only
-# re-checks. CPU torch comes first (from the local wheel cache when present) unless a CUDA build is already
-# installed, so pip never pulls a multi-GB CUDA build as a dependency of something else.
+# re-checks. torch comes first (the CPU build on a machine without an NVIDIA GPU) unless one is installed already,
+# so pip never pulls a multi-GB CUDA build as a dependency of something else.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+TORCH=torch==2.13.0
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  "${PIP[@]}" install torch==2.13.0
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    "${PIP[@]}" install "$TORCH"
+  else
+    # No GPU: the CPU build, explicitly from PyTorch's CPU index (PyPI's Linux wheel is the multi-GB CUDA one). Where
+    # that index cannot be reached (an offline mirror, a local wheel cache), the configured indexes are used instead.
+    "${PIP[@]}" install "$TORCH" --index-url https://download.pytorch.org/whl/cpu --timeout 10 --retries 0 2>/dev/null \
+      || "${PIP[@]}" install "$TORCH"
+  fi
 fi
 stamp=.venv/.sage-grpo-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
