@@ -1,15 +1,16 @@
-"""GRPO on ToyWorld for every SDE variant x KL strategy over several seeds: reward gain per dimension, on-manifold
-drift, time to a reward threshold, wall time. Writes ``table.md``, ``results.json`` and ``curves.png``.
+"""GRPO on ToyWorld, arm by arm over seeds: does it learn, and does each of the paper's claims hold here?
 
-    python -m benchmarks.toyworld.compare [--iterations K] [--seeds 3] [--variants sage flow] [--kl dual none]
-                                          [--jobs 2] [--quick] [--out DIR]
-    python -m benchmarks.toyworld.compare --from-results DIR/results.json   # redraw table and plot only
+    python -m benchmarks.toyworld.compare --quick --jobs 2            # the learning default only (<= 15 min)
+    python -m benchmarks.toyworld.compare --jobs 2                    # every arm x 3 seeds (the full sweep)
+    python -m benchmarks.toyworld.compare --arms default "kl none" --seeds 3 --iterations 20
+    python -m benchmarks.toyworld.compare --from-results benchmarks/toyworld/results/results.json  # report only
 
 Each run: the cached pretrained model (``pretrain.py``), full fine-tuning of its used weights on a 1-process DeepSpeed
-engine (ZeRO-2, see ``Settings``) through ``stages.update.Updater``, K iterations of (rollout of P captions x G
-samples, analytic rewards with Setting B weights, group advantages, one optimizer update). Before and after training,
-deterministic (ODE) samples of all 16 captions measure the reward gain and the drift; the drift of every training
-rollout is logged too.
+engine (ZeRO-2) through ``stages.update.Updater`` with the calibrated trust region, K iterations of (rollout of all 16
+captions x G samples, analytic rewards with Setting B weights, group advantages, one optimizer update). Every
+``eval_every`` iterations, deterministic (ODE) samples of every caption from fixed noise measure the reward and the
+drift to the manifold. Writes ``results.json`` and ``curves.png`` under ``--out`` and regenerates the ToyWorld section
+of ``benchmarks/RESULTS.md`` from ``results.json`` (``report.py``): tables and verdicts are never copied by hand.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import itertools
 import json
-import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -31,61 +30,95 @@ import torch
 from core import distributed
 from core.grpo import group_advantages
 from core.rewards.base import VideoBatch, weighted_total
-from stages.rollout import SDEConfig, generate
-from stages.update import TrustRegionConfig, UpdateConfig, Updater, accumulation_steps, build_engine
+from stages.rollout import SDEConfig, generate, score_transition
+from stages.update import (
+    TrustRegionConfig,
+    UpdateConfig,
+    Updater,
+    accumulation_steps,
+    build_engine,
+    gradient_ratio,
+    micro_step_loss,
+)
 
 from . import world
-from .model import train_used_weights
+from .model import build_transformer, train_used_weights
 from .pretrain import SHIFT, PretrainConfig, evaluate, pretrained_adapter
 from .rewards import WEIGHTS, ToyWorldReward, manifold_drift
 
 VARIANTS = ("dance", "flow", "cps", "sage")
-KL_STRATEGIES = ("none", "fixed", "dual")
 # Each method's own exploration scale (shared/spec/sage-grpo.md): DanceGRPO's on HunyuanVideo, Flow-GRPO's, and the
-# SAGE reference default, which CPS (no published default for video) shares.
+# SAGE reference default, which CPS (no published default for video) shares. The shared-eta arms use SAGE's.
 ETAS = {"dance": 0.25, "flow": 0.7, "cps": 0.5, "sage": 0.5}
-DIMENSIONS = ("TA", "VQ", "MQ")
+SHARED_ETA = 0.5
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
 @dataclass(frozen=True)
-class Settings:
-    """One sweep's shared settings. The KL weight schedule has the paper's shape (warm-up, then feedback toward a
-    target) at the toy's scale: with the paper's [1e-7, 1e-5] the KL gradient would be about 1e-5 of the policy
-    gradient here, i.e. no KL at all; the target is the position KL that calibration runs settle at."""
+class Config:
+    """One arm's settings. The defaults are the learning default: SAGE, dual trust region (calibrated preset),
+    equalizer on, all 16 captions x 8 samples = 128 rollouts per iteration (16 per iteration stayed flat over 60
+    iterations in a feasibility study), the high-noise half of the steps stochastic and trained, lr 1e-4."""
 
-    iterations: int = 40
-    prompts: int = 4  # drawn from caption_pool every iteration
-    caption_pool: tuple[str, ...] = tuple(world.CAPTIONS)
-    group_size: int = 4
-    steps: int = 8
-    # Full fine-tuning with Adam: 1e-4 learns steadily, 3e-4 collapses VQ within a few updates without a KL term
-    # (calibration runs with sage); in between, where stability is at stake, is where the strategies can differ.
-    learning_rate: float = 2e-4
+    variant: str = "sage"
+    eta: float | None = None  # None: the variant's own (ETAS)
+    kl: str = "dual"  # none | fixed | moving | step_wise (velocity only) | dual
     anchor_interval: int = 10
-    kl_initial: float = 1e-2
-    kl_maximum: float = 1.0
-    kl_warmup_steps: int = 5
-    kl_target: float = 3e-3
-    threshold_gain: float = 0.05
-    # ZeRO-2 on one process is the same optimizer maths as ZeRO-3 without its per-layer gather hooks, which on a
-    # CPU make a model this small about 3x slower (benchmarks/perf.py measures ZeRO-3 itself).
-    deepspeed_config: str = "zero2"
+    equalizer: str = "on"  # on | off | cap (S_t clamped at equalizer_cap)
+    equalizer_cap: float = 2.0
+    steps: int = 8
+    shift: float = SHIFT
+    window: str = "half"  # half: steps 0..T/2-1 stochastic and trained (the high-noise half); all: every step
+    # 3e-4 costs VQ 0.64 -> 0.51 within 5 updates even with the half window, where S_t <= 2.5; with every step trained
+    # (S_t up to 5.8 at sigma = 1) the equalized per-step gradient norms still stay within 1.9x of each other, the
+    # sigma = 1 step's the smallest (raw norms span 41x). So the collapse is the learning rate's, not the equalizer's:
+    # 1e-4, uncapped. The "lr 3e-4 all" arms test this with seeds.
+    learning_rate: float = 1e-4
+    captions: tuple[str, ...] = tuple(world.CAPTIONS)  # every one, every iteration
+    group_size: int = 8
+    iterations: int = 40
+    eval_every: int = 5
+    eval_samples_per_caption: int = 4
+    kl_grad_ratio_every: int = 5
+    deepspeed_config: str = "zero2"  # ZeRO-3's per-layer gathers only cost time on one CPU process
     pretrain: PretrainConfig = PretrainConfig()
 
-    def quick(self) -> "Settings":
-        return dataclasses.replace(self, iterations=8)
+    @property
+    def eta_value(self) -> float:
+        return ETAS[self.variant] if self.eta is None else self.eta
+
+    def sde(self) -> SDEConfig:
+        window = (0, self.steps // 2) if self.window == "half" else None
+        return SDEConfig(variant=self.variant, eta=self.eta_value, steps=self.steps, shift=self.shift, window=window)
 
 
 @dataclass(frozen=True)
-class Run:
-    variant: str
-    kl: str
-    seed: int
+class Arm:
+    name: str
+    overrides: tuple[tuple[str, object], ...] = ()
 
-    @property
-    def name(self) -> str:
-        return f"{self.variant}/{self.kl}"
+    def config(self, base: Config) -> Config:
+        return dataclasses.replace(base, **dict(self.overrides))
+
+
+def _arm(name: str, **overrides) -> Arm:
+    return Arm(name, tuple(sorted(overrides.items())))
+
+
+ARMS = {arm.name: arm for arm in [
+    _arm("default"),
+    *[_arm(v, variant=v) for v in ("dance", "flow", "cps")],
+    *[_arm(f"{v} eta {SHARED_ETA:g}", variant=v, eta=SHARED_ETA) for v in ("dance", "flow")],
+    *[_arm(f"kl {kl}", kl=kl) for kl in ("none", "fixed", "moving", "step_wise")],
+    _arm("equalizer off", equalizer="off"),
+    _arm("equalizer cap", equalizer="cap"),
+    *[_arm(f"anchor N={n}", anchor_interval=n) for n in (1, 5, 20)],
+    *[_arm(f"{v} 20 steps shift 5", variant=v, steps=20, shift=5.0) for v in VARIANTS],
+    _arm("window all", window="all"),
+    # The equalizer at a learning rate where it was seen to collapse (every step trained: S_t up to 5.8 at sigma 1).
+    *[_arm(f"lr 3e-4 all {eq}", learning_rate=3e-4, window="all", equalizer=eq) for eq in ("on", "cap", "off")],
+]}
+QUICK_ARMS = ("default",)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -93,160 +126,114 @@ class Run:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _captions(settings: Settings, seed: int, iteration: int) -> list[str]:
-    generator = torch.Generator().manual_seed(seed * 100_003 + iteration)
-    pool = settings.caption_pool
-    return [pool[i] for i in torch.randperm(len(pool), generator=generator)[:settings.prompts].tolist()]
+class CappedEqualizerUpdater(Updater):
+    """The equalizer with S_t clamped at ``cap``: the benchmark's stand-in for a cap in ``stages.update``."""
+
+    def __init__(self, *args, cap: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cap = cap
+
+    def _timestep_weights(self, rollout) -> torch.Tensor:
+        return super()._timestep_weights(rollout).clamp(max=self.cap)
 
 
-def _mean(values) -> float:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else float("nan")
-
-
-def _updater(adapter, run: Run, settings: Settings) -> Updater:
-    samples = settings.prompts * settings.group_size
-    update_config = UpdateConfig(learning_rate=settings.learning_rate, micro_batch_size=samples, seed=run.seed)
-    trust_config = TrustRegionConfig(
-        strategy=run.kl, anchor_interval=settings.anchor_interval, kl_initial=settings.kl_initial,
-        kl_maximum=settings.kl_maximum, kl_warmup_steps=settings.kl_warmup_steps, kl_target=settings.kl_target)
-    trained_steps = settings.steps - 1  # the last step (sigma_next = 0) is deterministic
-    engine = build_engine(adapter.transformer, update_config, deepspeed_config_name=settings.deepspeed_config,
+def _updater(adapter, config: Config, seed: int) -> Updater:
+    samples = len(config.captions) * config.group_size
+    update_config = UpdateConfig(learning_rate=config.learning_rate, micro_batch_size=samples, seed=seed,
+                                 equalizer=config.equalizer != "off")
+    # The Updater's own kl_grad_ratio (autograd.grad through the engine's forward) crashes under ZeRO-0/1/2: DeepSpeed's
+    # backward hooks fire inside autograd.grad. ``_kl_grad_ratio`` measures it on a hook-free copy instead.
+    trust_config = TrustRegionConfig(strategy=config.kl, anchor_interval=config.anchor_interval, kl_grad_ratio_every=0)
+    trained_steps = int(config.sde().trained_steps_mask().sum())
+    engine = build_engine(adapter.transformer, update_config, deepspeed_config_name=config.deepspeed_config,
                           accumulation_steps=accumulation_steps(samples, samples, trained_steps))
+    if config.equalizer == "cap":
+        return CappedEqualizerUpdater(engine, adapter, update_config, trust_config, cap=config.equalizer_cap)
     return Updater(engine, adapter, update_config, trust_config)
 
 
-def _iteration(adapter, updater: Updater, run: Run, settings: Settings, iteration: int) -> dict:
-    """Rollout, rewards, advantages, one update; returns the iteration's rollout metrics and stage times."""
-    sde_config = SDEConfig(variant=run.variant, eta=ETAS[run.variant], steps=settings.steps, shift=SHIFT)
-    captions = _captions(settings, run.seed, iteration)
-    ids = [iteration * settings.prompts + j for j in range(settings.prompts)]  # unique groups: fresh samples
-    samples = settings.prompts * settings.group_size
+def _kl_grad_ratio(updater: Updater, adapter, rollout, advantages) -> float:
+    """|lambda grad KL| / |grad policy term| on the update's first micro-step, as ``stages.update.gradient_ratio``
+    measures it, but through a copy of the policy that DeepSpeed has not hooked (the reference means go through the
+    engine without gradients, exactly as ``Updater._micro_step`` computes them)."""
+    transition = updater._transitions(rollout)[0]
+    index, t = transition.samples, transition.step
+    references = {}
+    for name, snapshot in (("anchor_mean", updater.anchor), ("lagged_mean", updater.lagged)):
+        if snapshot is not None:
+            with torch.no_grad(), snapshot.swapped_in():
+                references[name] = score_transition(adapter, rollout, index, t, module=updater.engine).mean
+    policy = train_used_weights(build_transformer())
+    policy.load_state_dict(updater.engine.module.state_dict())
+    step = score_transition(adapter, rollout, index, t, module=policy)
+    weights = updater._timestep_weights(rollout)
+    terms = micro_step_loss(step, rollout.log_probs[index, t], advantages.values[index],
+                            advantages.valid[index].float(), float(weights[t]), updater.trust,
+                            updater.controller.value, clip_range=updater.config.clip_range, **references)
+    return gradient_ratio(terms, updater.controller.value, [p for p in policy.parameters() if p.requires_grad])
+
+
+def _mean(values) -> float:
+    values = [v for v in values if v is not None and v == v]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _iteration(adapter, updater: Updater, config: Config, seed: int, iteration: int) -> dict:
+    """Rollout of the captions, rewards, advantages, one update; the iteration's rollout metrics and stage times."""
+    captions = list(config.captions)
+    ids = [iteration * len(captions) + j for j in range(len(captions))]  # unique groups: fresh samples every time
+    samples = len(captions) * config.group_size
     start = time.perf_counter()
-    rollout = generate(adapter, captions, settings.group_size, sde_config, seed=run.seed, prompt_ids=ids,
+    rollout = generate(adapter, captions, config.group_size, config.sde(), seed=seed, prompt_ids=ids,
                        batch_size=samples, progress=False)
     videos = VideoBatch.from_tensor(rollout.videos, adapter.fps)
     scores = ToyWorldReward()(videos, rollout.sample_prompts)
     totals = weighted_total(scores, WEIGHTS, samples)
     drift = manifold_drift(videos)
+    advantages = group_advantages(totals, rollout.group_ids)
+    # Not at iteration 0: the anchor and the lagged policy are the policy itself there, so the ratio is trivially 0.
+    due = config.kl != "none" and config.kl_grad_ratio_every and (iteration + 1) % config.kl_grad_ratio_every == 0
+    ratio = _kl_grad_ratio(updater, adapter, rollout, advantages) if due else None
     update_start = time.perf_counter()
-    metrics = updater.update(rollout, group_advantages(totals, rollout.group_ids))
+    metrics = updater.update(rollout, advantages)
     return {
-        "iteration": iteration, "reward": _mean(totals), **{d: _mean(scores[d]) for d in DIMENSIONS},
+        "iteration": iteration, "reward": _mean(totals), **{d: _mean(scores[d]) for d in WEIGHTS},
         "drift": _mean(drift), "kl": metrics["kl"], "lambda_kl": metrics["lambda_kl"],
-        "grad_norm": metrics["grad_norm"], "rollout_s": update_start - start,
-        "update_s": time.perf_counter() - update_start,
+        "kl_grad_ratio": ratio, "grad_norm": metrics["grad_norm"],
+        "equalizer_max": metrics["equalizer_max"], "skipped": metrics["skipped"],
+        "rollout_s": update_start - start, "update_s": time.perf_counter() - update_start,
     }
 
 
-def run_grpo(run: Run, settings: Settings) -> dict:
-    """Train one configuration and return its per-iteration history and before/after evaluations."""
+def _evaluation(adapter, config: Config, iteration: int, train_s: float) -> dict:
+    with torch.no_grad():
+        scores = evaluate(adapter, samples_per_caption=config.eval_samples_per_caption, steps=config.steps,
+                          shift=config.shift)
+    reward = sum(weight * scores[d] for d, weight in WEIGHTS.items())
+    return {"iteration": iteration, "train_s": train_s, "reward": reward, **scores}
+
+
+def run_grpo(arm: str, config: Config, seed: int) -> dict:
+    """Train one arm at one seed: per-iteration rollout history and the ODE evaluations along the way."""
     torch.set_num_threads(1)  # one thread per run: on a shared 2-core machine more threads only add contention
     distributed.init()
-    torch.manual_seed(run.seed)
-    adapter = pretrained_adapter(settings.pretrain)
+    torch.manual_seed(seed)
+    adapter = pretrained_adapter(config.pretrain)
     train_used_weights(adapter.transformer)
-    updater = _updater(adapter, run, settings)
-    before = evaluate(adapter)
-    history, start = [], time.perf_counter()
-    for iteration in range(settings.iterations):
-        history.append(_iteration(adapter, updater, run, settings, iteration))
-        history[-1]["elapsed_s"] = time.perf_counter() - start
-    after = evaluate(adapter)
+    updater = _updater(adapter, config, seed)
+    start = time.perf_counter()
+    evaluations, history, train_s = [_evaluation(adapter, config, 0, 0.0)], [], 0.0
+    for iteration in range(config.iterations):
+        history.append(_iteration(adapter, updater, config, seed, iteration))
+        train_s += history[-1]["rollout_s"] + history[-1]["update_s"]
+        history[-1]["train_s"] = train_s
+        done = iteration + 1
+        if done % config.eval_every == 0 or done == config.iterations:
+            evaluations.append(_evaluation(adapter, config, done, train_s))
     del updater
     gc.collect()  # the engine holds the model and optimizer states: free them before the next run in this process
-    return {"variant": run.variant, "kl": run.kl, "seed": run.seed, "before": before, "after": after,
-            "history": history, "wall_s": time.perf_counter() - start}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Summary
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def time_to_threshold(history: list[dict], gain: float) -> tuple[float, float]:
-    """(iterations, seconds) until the 3-iteration moving average of the training reward first exceeds its start by
-    ``gain``; NaN when it never does."""
-    rewards = [h["reward"] for h in history]
-    start = statistics.mean(rewards[:3])
-    for i in range(2, len(rewards)):
-        if statistics.mean(rewards[i - 2:i + 1]) >= start + gain:
-            return float(i + 1), history[i]["elapsed_s"]
-    return float("nan"), float("nan")
-
-
-def _spread(values: list[float]) -> tuple[float, float]:
-    finite = [v for v in values if v == v]
-    if not finite:
-        return float("nan"), float("nan")
-    return statistics.mean(finite), statistics.stdev(finite) if len(finite) > 1 else 0.0
-
-
-def summarise(results: list[dict], settings: Settings) -> list[dict]:
-    """One row per configuration: mean and standard deviation over seeds of every reported quantity."""
-    rows = []
-    for key, group in itertools.groupby(sorted(results, key=lambda r: (r["variant"], r["kl"])),
-                                        key=lambda r: (r["variant"], r["kl"])):
-        group = list(group)
-        columns = {f"{d} gain": [r["after"][d] - r["before"][d] for r in group] for d in DIMENSIONS}
-        columns["reward gain"] = [sum(WEIGHTS[d] * (r["after"][d] - r["before"][d]) for d in DIMENSIONS) for r in group]
-        columns["eval drift change"] = [r["after"]["drift"] - r["before"]["drift"] for r in group]
-        columns["rollout drift"] = [_mean(h["drift"] for h in r["history"]) for r in group]
-        columns["rollout reward first 5"] = [_mean(h["reward"] for h in r["history"][:5]) for r in group]
-        columns["rollout reward last 5"] = [_mean(h["reward"] for h in r["history"][-5:]) for r in group]
-        thresholds = [time_to_threshold(r["history"], settings.threshold_gain) for r in group]
-        columns["iters to +gain"] = [t[0] for t in thresholds]
-        columns["s to +gain"] = [t[1] for t in thresholds]
-        columns["reached"] = [float(t[0] == t[0]) for t in thresholds]
-        columns["wall s"] = [r["wall_s"] for r in group]
-        rows.append({"variant": key[0], "kl": key[1], "seeds": len(group),
-                     **{name: _spread(values) for name, values in columns.items()}})
-    return rows
-
-
-def markdown_table(rows: list[dict], settings: Settings) -> str:
-    names = [k for k in rows[0] if k not in ("variant", "kl", "seeds")]
-    header = ["variant", "KL"] + [n.replace("+gain", f"+{settings.threshold_gain:g}") for n in names]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in rows:
-        cells = [row["variant"], row["kl"]]
-        for name in names:
-            mean, std = row[name]
-            if name == "reached":
-                cells.append(f"{round(mean * row['seeds'])}/{row['seeds']}")
-                continue
-            digits = 0 if name in ("wall s", "s to +gain") else 1 if name == "iters to +gain" else 3
-            cells.append("—" if mean != mean else f"{mean:.{digits}f} ± {std:.{digits}f}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    kls = sorted({r["kl"] for r in results}, key=KL_STRATEGIES.index)
-    figure, axes = plt.subplots(2, len(kls), figsize=(5 * len(kls), 7), squeeze=False, sharex=True)
-    for column, kl in enumerate(kls):
-        for variant in VARIANTS:
-            group = [r for r in results if r["kl"] == kl and r["variant"] == variant]
-            if not group:
-                continue
-            for row, quantity in enumerate(("reward", "drift")):
-                curves = torch.tensor([[h[quantity] for h in r["history"]] for r in group])
-                mean, std = curves.mean(0), curves.std(0) if len(group) > 1 else torch.zeros(curves.shape[1])
-                x = range(len(mean))
-                axes[row, column].plot(x, mean, label=variant)
-                axes[row, column].fill_between(x, mean - std, mean + std, alpha=0.2)
-        axes[0, column].set_title(f"KL: {kl}")
-        axes[0, column].set_ylabel("rollout reward (Setting B)")
-        axes[1, column].set_ylabel("rollout drift (RMS to manifold)")
-        axes[1, column].set_xlabel("iteration")
-        axes[0, column].legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    return {"arm": arm, "seed": seed, "config": dataclasses.asdict(config), "evaluations": evaluations,
+            "history": history, "train_s": train_s, "wall_s": time.perf_counter() - start}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -254,67 +241,65 @@ def plot(results: list[dict], path: Path) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _run_all(runs: list[Run], settings: Settings, jobs: int) -> list[dict]:
-    if jobs == 1:
-        return [_logged(run, settings) for run in runs]
-    # Each worker is its own 1-process DeepSpeed world; spawn, because a forked child inherits torch's thread pools.
-    with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
-        return list(pool.map(_logged, runs, [settings] * len(runs)))
-
-
-def _logged(run: Run, settings: Settings) -> dict:
-    result = run_grpo(run, settings)
-    first, last = result["history"][0], result["history"][-1]
-    print(f"{run.name:12s} seed {run.seed}: reward {first['reward']:.3f} -> {last['reward']:.3f}, "
-          f"drift {first['drift']:.3f} -> {last['drift']:.3f}, {result['wall_s']:.0f}s", flush=True)
+def _logged(job: tuple[str, Config, int]) -> dict:
+    arm, config, seed = job
+    result = run_grpo(arm, config, seed)
+    before, after = result["evaluations"][0], result["evaluations"][-1]
+    print(f"{arm:24s} seed {seed}: eval reward {before['reward']:.3f} -> {after['reward']:.3f}, "
+          f"drift {before['drift']:.3f} -> {after['drift']:.3f}, {result['wall_s']:.0f}s", flush=True)
     return result
 
 
+def run_all(jobs: list[tuple[str, Config, int]], parallel: int) -> list[dict]:
+    if parallel == 1:
+        return [_logged(job) for job in jobs]
+    # Each worker is its own 1-process DeepSpeed world; spawn, because a forked child inherits torch's thread pools.
+    with ProcessPoolExecutor(parallel, mp_context=get_context("spawn")) as pool:
+        return list(pool.map(_logged, jobs))
+
+
+def _jobs(arms: list[str], seeds: int, base: Config) -> list[tuple[str, Config, int]]:
+    # Longest arms first, so that two workers finish together rather than one waiting on a late 20-step run.
+    jobs = [(name, ARMS[name].config(base), seed) for seed in range(seeds) for name in arms]
+    return sorted(jobs, key=lambda job: -job[1].steps * (1 if job[1].window == "half" else 2))
+
+
 def main() -> None:
+    from . import report
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iterations", type=int, help=f"GRPO iterations per run (default {Settings.iterations})")
+    parser.add_argument("--quick", action="store_true", help=f"only the arms {', '.join(QUICK_ARMS)}")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="arms to run (default: all, or the quick ones)")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    parser.add_argument("--kl", nargs="+", choices=KL_STRATEGIES, default=list(KL_STRATEGIES))
-    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel, one process each")
-    parser.add_argument("--quick", action="store_true", help=f"{Settings().quick().iterations} iterations per run")
+    parser.add_argument("--iterations", type=int, help=f"GRPO iterations per run (default {Config.iterations})")
+    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel, one process and one thread each")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--from-results", type=Path, help="only rewrite the table and plot from a results.json")
+    parser.add_argument("--results-md", type=Path, default=report.RESULTS_MD,
+                        help="the markdown file whose ToyWorld section is regenerated")
+    parser.add_argument("--from-results", type=Path, help="only regenerate the report from a results.json")
     args = parser.parse_args()
     if args.from_results:
-        _report(*_load_results(args.from_results), args.out)
+        report.write(json.loads(args.from_results.read_text()), args.out, args.results_md)
         return
 
-    settings = Settings().quick() if args.quick else Settings()
-    if args.iterations:
-        settings = dataclasses.replace(settings, iterations=args.iterations)
+    profile = "quick" if args.quick else "full" if not args.arms else "custom"
+    arms = args.arms or list(QUICK_ARMS if args.quick else ARMS)
+    base = Config() if args.iterations is None else Config(iterations=args.iterations)
     torch.set_num_threads(1)
-    pretrained_adapter(settings.pretrain, log_every=100)  # fit once here, not in every worker
-    runs = [Run(v, k, s) for s in range(args.seeds) for v in args.variants for k in args.kl]
+    pretrained_adapter(base.pretrain, log_every=100)  # fit once here, not in every worker
     start = time.perf_counter()
-    results = _run_all(runs, settings, args.jobs)
-    _report(results, settings, time.perf_counter() - start, args.out)
+    results = run_all(_jobs(arms, args.seeds, base), args.jobs)
+    saved = {"profile": profile, "arms": arms, "seeds": args.seeds, "jobs": args.jobs,
+             "command": "python -m benchmarks.toyworld.compare " + " ".join(_argv()),
+             "wall_s": time.perf_counter() - start, "machine": report.machine(), "runs": results}
+    report.write(saved, args.out, args.results_md)
 
 
-def _load_results(path: Path) -> tuple[list[dict], Settings, float | None]:
-    saved = json.loads(path.read_text())
-    fields = saved["settings"]
-    # Results written before the caption pool existed drew from every caption.
-    settings = Settings(**{**fields, "caption_pool": tuple(fields.get("caption_pool", world.CAPTIONS)),
-                           "pretrain": PretrainConfig(**fields["pretrain"])})
-    return saved["runs"], settings, saved.get("wall_s")
+def _argv() -> list[str]:
+    import shlex
+    import sys
 
-
-def _report(results: list[dict], settings: Settings, wall_s: float | None, out: Path) -> None:
-    rows = summarise(results, settings)
-    table = markdown_table(rows, settings)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"settings": dataclasses.asdict(settings), "etas": ETAS,
-                                                  "wall_s": wall_s, "runs": results, "summary": rows}, indent=1))
-    (out / "table.md").write_text(table + "\n")
-    plot(results, out / "curves.png")
-    print(table)
-    print(f"total wall time {wall_s:.0f}s; wrote {out}" if wall_s else f"wrote {out}")
+    return [shlex.quote(arg) for arg in sys.argv[1:]]
 
 
 if __name__ == "__main__":

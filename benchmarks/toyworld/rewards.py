@@ -46,17 +46,19 @@ def _velocity(centroids: torch.Tensor) -> torch.Tensor:
     return (t[:, None] * (centroids - centroids.mean(dim=0))).sum(dim=0) / (t**2).sum()
 
 
-def text_alignment(video: torch.Tensor, caption: str, strength: torch.Tensor, centroids: torch.Tensor) -> float:
+def alignment_parts(video: torch.Tensor, caption: str, strength: torch.Tensor,
+                    centroids: torch.Tensor) -> tuple[float, float]:
+    """(colour score, direction score): TA's two halves, reported apart because they are learnt at different rates."""
     colour, direction = world.parse_caption(caption)
     pixels = video.float().div(255).reshape(-1, 3)[strength.flatten() > _FOREGROUND]
     if len(pixels) == 0:
-        return 0.0
+        return 0.0, 0.0
     # Palette colours are >= 1 apart in RGB, so a wrong colour scores 0.
     colour_score = max(0.0, 1.0 - float(torch.dist(pixels.mean(dim=0), torch.tensor(world.COLOURS[colour]))))
     expected = torch.tensor(world.DIRECTIONS[direction], dtype=torch.float32)
     # Opposite, perpendicular and no motion all score 0; half the speed scores 0.5.
     direction_score = max(0.0, 1.0 - float(torch.dist(_velocity(centroids), expected) / expected.norm()))
-    return 0.5 * (colour_score + direction_score)
+    return colour_score, direction_score
 
 
 def _ideal_square(centre: torch.Tensor) -> torch.Tensor:
@@ -98,19 +100,27 @@ def motion_quality(strength: torch.Tensor, centroids: torch.Tensor) -> float:
 
 
 class ToyWorldReward:
-    """The reward contract of ``core.rewards.base``: {"TA", "VQ", "MQ"} -> one score per video."""
+    """The reward contract of ``core.rewards.base``: {"TA", "VQ", "MQ"} -> one score per video. With ``parts`` the
+    scores also hold TA's halves, "colour" and "direction" (unweighted: diagnostics for the benchmark's tables)."""
 
     default_weights = WEIGHTS
 
+    def __init__(self, parts: bool = False):
+        self.parts = parts
+
     def __call__(self, videos: VideoBatch, prompts: list[str]) -> Scores:
-        scores: Scores = {"TA": [], "VQ": [], "MQ": []}
+        scores: Scores = {"TA": [], "VQ": [], "MQ": []} | ({"colour": [], "direction": []} if self.parts else {})
         for video, caption in zip(videos, prompts):
             video = video.cpu()
             strength = _strength(video)
             centroids = _centroids(strength)
-            scores["TA"].append(text_alignment(video, caption, strength, centroids))
+            colour, direction = alignment_parts(video, caption, strength, centroids)
+            scores["TA"].append(0.5 * (colour + direction))
             scores["VQ"].append(visual_quality(strength, centroids))
             scores["MQ"].append(motion_quality(strength, centroids))
+            if self.parts:
+                scores["colour"].append(colour)
+                scores["direction"].append(direction)
         return scores
 
 

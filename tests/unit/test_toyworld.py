@@ -1,5 +1,6 @@
 """ToyWorld benchmark: the generator is deterministic with known motion, the analytic rewards prefer valid videos to
-noise, and GRPO with SAGE + dual moving KL raises the reward within a few iterations (slow)."""
+noise, the x0-predicting model's velocity lands on the clean video, the report's verdicts follow the seed spread, and
+the learning default moves the rewarded dimensions up within ten iterations (slow)."""
 
 import sys
 from pathlib import Path
@@ -69,14 +70,76 @@ def test_drift_is_zero_on_the_manifold_and_large_for_noise():
 
 
 @pytest.mark.slow
-def test_sage_with_dual_kl_raises_the_reward():
-    """About 90 s on a fresh machine: 150 steps of pretraining (cached afterwards), then 10 GRPO iterations on one
-    caption with 16 samples each, a learning rate and a KL weight range at which learning shows within 10 updates
-    (the sweep's settings need far more iterations). Deterministic on a CPU, so not flaky."""
-    from benchmarks.toyworld.compare import Run, Settings, run_grpo
-    from benchmarks.toyworld.pretrain import QUICK
+def test_the_learning_default_moves_the_rewarded_dimensions_up():
+    """About 60-90 s once the default pretraining is cached (fitting it first takes ~4 min, once per machine; the
+    150-step quick pretraining gives a model too poor to learn from, reward 0.12). Ten iterations of the learning
+    default (SAGE, dual trust region, 16 captions x 8 samples, high-noise half, lr 1e-4): the ODE evaluation's colour
+    alignment and motion quality rise. The Setting B total needs ~30 iterations to clear its early dip (VQ falls
+    first), which is the benchmark's job, not CI's. Deterministic on a CPU at one thread."""
+    from benchmarks.toyworld.compare import Config, run_grpo
 
-    settings = Settings(iterations=10, prompts=1, group_size=16, caption_pool=("a red square moving right",),
-                        learning_rate=1e-3, kl_initial=1e-4, kl_maximum=1e-2, pretrain=QUICK)
-    rewards = [h["reward"] for h in run_grpo(Run("sage", "dual", seed=0), settings)["history"]]
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3
+    result = run_grpo("default", Config(iterations=10, eval_every=10), seed=0)
+    before, after = result["evaluations"][0], result["evaluations"][-1]
+    assert after["colour"] > before["colour"] + 0.005
+    assert after["MQ"] > before["MQ"] + 0.005
+    assert all(h["skipped"] == 0 for h in result["history"])
+
+
+def test_x0_prediction_converts_to_the_velocity_that_lands_on_the_clean_video():
+    """With a perfect x0 predictor, the ODE sampler through predict_velocity = (x - x0_hat) / sigma must end exactly
+    on the clean latents, whatever the noise: the conversion is what every stage sees."""
+    from benchmarks.toyworld.model import ToyWorldAdapter, build_transformer
+    from stages.rollout import SDEConfig, generate
+
+    videos, captions = world.batch([21, 22], ["a red square moving left", "a blue square moving up"])
+    target = world.encode(videos)
+
+    class Oracle(ToyWorldAdapter):
+        def predict_clean(self, latents, sigma, embeddings, *, module=None):
+            return target[: len(latents)]
+
+    rollout = generate(Oracle(build_transformer()), captions, 1, SDEConfig(variant="ode", steps=8, shift=3.0),
+                       seed=5, batch_size=2, progress=False)
+    assert max(manifold_drift(VideoBatch.from_tensor(rollout.videos, 8))) < 0.01
+
+
+def _fake_run(arm: str, seed: int, gain: float, drift: float = 0.1) -> dict:
+    before = {"reward": 0.8, "TA": 0.4, "VQ": 0.6, "MQ": 0.2, "colour": 0.8, "direction": 0.1, "drift": 0.13}
+    after = dict(before, reward=0.8 + gain, TA=0.4 + gain)
+    history = [{"drift": drift, "reward": 0.8, "kl_grad_ratio": 0.1}] * 4
+    return {"arm": arm, "seed": seed, "config": {}, "train_s": 8.0, "wall_s": 10.0, "history": history,
+            "evaluations": [dict(before, iteration=0, train_s=0.0), dict(after, iteration=4, train_s=8.0)]}
+
+
+def test_verdicts_follow_the_seed_spread():
+    from benchmarks.toyworld.report import summarise, verdicts
+
+    runs = [_fake_run("default", s, g) for s, g in enumerate([0.05, 0.06, 0.055])]  # clearly above 0
+    runs += [_fake_run("kl none", s, g) for s, g in enumerate([0.0, 0.01, -0.01])]  # clearly below default
+    runs += [_fake_run("kl fixed", s, g) for s, g in enumerate([0.0, 0.1, 0.06])]  # overlaps the default
+    runs += [_fake_run("flow 20 steps shift 5", s, 0.0, drift=d) for s, d in enumerate([0.10, 0.11, 0.12])]
+    runs += [_fake_run("sage 20 steps shift 5", s, 0.0, drift=d) for s, d in enumerate([0.20, 0.21, 0.22])]
+    found = {c["claim"]: c["verdict"] for c in verdicts(summarise(runs))}
+    assert found[next(c for c in found if c.startswith("GRPO with SAGE"))] == "agrees"
+    assert found["The dual moving trust region gains more reward than no KL"] == "agrees"
+    assert found["The dual moving trust region gains more reward than a fixed anchor"] == "inconclusive"
+    # SAGE's rollouts drift more here: the manifold claim is contradicted, not confirmed.
+    assert found[next(c for c in found if c.startswith("SAGE's manifold-aware"))] == "disagrees"
+    assert found["The temporal gradient equalizer improves training (reward gain, on vs off)"] == "not run"
+
+
+def test_learning_claim_needs_three_seeds():
+    from benchmarks.toyworld.report import summarise, verdicts
+
+    runs = [_fake_run("default", s, g) for s, g in enumerate([0.05, 0.06])]
+    assert verdicts(summarise(runs))[0]["verdict"] == "not run"
+
+
+def test_report_section_is_replaced_and_the_rest_kept():
+    from benchmarks.toyworld.report import BEGIN, END, replace_section
+
+    text = f"# Results\n\n{BEGIN}\nold table\n{END}\n\n## Pipeline overhead ratios\n\nperf numbers\n"
+    new = replace_section(text, f"{BEGIN}\nnew table\n{END}")
+    assert "new table" in new and "old table" not in new
+    assert new.endswith("## Pipeline overhead ratios\n\nperf numbers\n")
+    assert replace_section("# Results\n\n## Perf\n", f"{BEGIN}\nx\n{END}").startswith(f"# Results\n\n{BEGIN}\nx\n{END}")
