@@ -13,7 +13,9 @@ Aliases, never the deprecated stages. Each version is an MLflow pyfunc (:class:`
 (LoRA adapter or full transformer) and the name of the base model it applies to; ``predict`` generates videos on
 that base model, built again as the export's ``export.json`` records it (HunyuanVideo 1.5, Wan, a tiny model or a
 dotted factory; exports without the record are HunyuanVideo 1.5).
-Serving it needs this package installed: the pyfunc refers to :class:`VideoPolicyModel` by import path.
+Self-contained for ``mlflow models serve``: the ``core`` package (all the pyfunc imports) is logged with the model as
+its ``code_paths``, and its pip requirements are this project's runtime dependencies pinned to the versions that
+registered it, so the environment MLflow builds for serving runs the same code on the same libraries.
 
 Integrity: every file of the logged model is listed with its sha256 in ``sha256sums.json``, whose own digest is a tag
 of the model version. The registry database, not the artifact store, is the trust anchor: someone who can write to
@@ -31,6 +33,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,19 +144,40 @@ def _log_policy(client: MlflowClient, run_id: str, export_dir: str | Path, kind:
         mlflow.pyfunc.save_model(
             model_dir, python_model=VideoPolicyModel(), artifacts={"export": str(export_dir)},
             model_config={"base_model": base_model, "kind": kind}, signature=_SIGNATURE,
+            code_paths=[str(_code_copy(Path(scratch) / "code"))],
             # Explicit: inferring them would import and run the model in a subprocess.
-            pip_requirements=_requirements(),
+            pip_requirements=serving_requirements(),
         )
         artifacts_sha256 = _write_model_manifest(model_dir)
         client.log_artifacts(run_id, str(model_dir), artifact_path)
     return artifact_path, artifacts_sha256
 
 
-def _requirements() -> list[str]:
-    """The versions this was registered with. Not torch: which build to install depends on the serving machine."""
-    from importlib.metadata import version
+# The foundation floor holds everything the pyfunc imports (core never imports stages or pipeline).
+_CODE_PACKAGE = Path(__file__).resolve().parent
+# What the pyfunc needs when the project is not installed as a distribution (a checkout on PYTHONPATH).
+_SERVING_PACKAGES = ("torch", "diffusers", "transformers", "peft", "accelerate", "safetensors", "huggingface_hub",
+                     "pydantic", "numpy", "pandas", "deepspeed", "boto3", "requests", "pyyaml")
 
-    return [f"{package}=={version(package)}" for package in ("diffusers", "peft", "safetensors", "transformers")]
+
+def _code_copy(destination: Path) -> Path:
+    """``core`` without bytecode caches (interpreter-specific, and they would change the sha256 list per machine)."""
+    target = destination / _CODE_PACKAGE.name
+    shutil.copytree(_CODE_PACKAGE, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return target
+
+
+def serving_requirements() -> list[str]:
+    """This project's runtime dependencies (not its extras), each pinned to the version running now. A local
+    version label is dropped (``torch==2.13.0``, not ``2.13.0+cpu``): the serving machine installs its own build."""
+    from importlib.metadata import PackageNotFoundError, requires, version
+
+    try:
+        declared = [spec for spec in requires("sage-grpo") or [] if "extra ==" not in spec]
+        names = [re.match(r"[A-Za-z0-9._-]+", spec).group(0) for spec in declared]
+    except PackageNotFoundError:
+        names = list(_SERVING_PACKAGES)
+    return [f"{name}=={version(name).split('+')[0]}" for name in names]
 
 
 def _write_model_manifest(model_dir: Path) -> str:

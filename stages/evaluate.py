@@ -213,8 +213,16 @@ def plot_kl_and_lambda(history: list[dict[str, float]], path: Path, kl_target: f
     if kl_target is not None:
         kl_axis.axhline(kl_target, color="tab:blue", linestyle="--", linewidth=0.8, label="kl target")
     kl_axis.set(xlabel="iteration", title="KL to the anchor and its weight lambda")
+    kl_axis.xaxis.set_major_locator(_integer_ticks())
+    kl_axis.legend(loc="upper left", fontsize=8)
     kl_axis.grid(alpha=0.3)
     return _save(fig, path)
+
+
+def _integer_ticks():
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)  # iterations: no 1.2, 1.4
 
 
 def _series(history: list[dict[str, float]], key: str) -> list[tuple[float, float]]:
@@ -276,6 +284,7 @@ def plot_reward_curves(history: list[dict[str, float]], path: Path) -> Path:
         if points:
             ax.plot(*zip(*points), marker="o", label=key)
     ax.set(xlabel="iteration", ylabel="reward", title="reward over training")
+    ax.xaxis.set_major_locator(_integer_ticks())
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -340,3 +341,43 @@ def test_promote_cli_takes_the_gate_and_tracking_server_from_a_run_config(
     with pytest.raises(UserError, match="needs --model"):
         config.write_text(yaml.safe_dump({"data": {"source": "prompts.txt"}}))
         run()
+
+
+FRESH_LOAD = """
+import hashlib, json, sys
+import mlflow.pyfunc
+policy = mlflow.pyfunc.load_model(sys.argv[1])
+video = policy.predict([sys.argv[2]], params=json.loads(sys.argv[3]))
+import core
+print(json.dumps({"core": core.__file__, "sha256": hashlib.sha256(video.tobytes()).hexdigest()}))
+"""
+
+
+def test_a_registered_model_carries_its_code_and_pinned_requirements_and_loads_in_a_fresh_process(
+        client, model_name, trained, run_id, server, tmp_path):
+    """What ``mlflow models serve`` needs: the code the pyfunc imports and its requirements, pinned (a real serve
+    builds a virtualenv from them, too slow for this suite; the fresh interpreter stands in for the server)."""
+    import mlflow.artifacts
+
+    from core.registry import serving_requirements
+
+    version = register(client, model_name, trained, run_id, step=30)
+    source = client.get_model_version_download_uri(model_name, version.version)
+    model_dir = Path(mlflow.artifacts.download_artifacts(source, dst_path=str(tmp_path / "model"),
+                                                         tracking_uri=server.url))
+    requirements = (model_dir / "requirements.txt").read_text().split()
+    pinned = {line.split("==")[0]: line.split("==")[1] for line in requirements if "==" in line}
+    assert pinned["torch"] == torch.__version__.split("+")[0] and {"diffusers", "peft", "deepspeed"} <= set(pinned)
+    assert set(serving_requirements()) <= set(requirements)
+    assert "mlflow" in pinned  # MLflow adds itself
+    code = model_dir / "code" / "core"
+    assert (code / "registry.py").read_text() == (Path(__file__).parents[2] / "core" / "registry.py").read_text()
+    assert not list(code.rglob("__pycache__"))
+
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", FRESH_LOAD, str(model_dir), PROMPT, json.dumps(GENERATION)],
+                            cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    assert Path(loaded["core"]).resolve().is_relative_to((model_dir / "code").resolve())  # the logged code ran
+    assert loaded["sha256"] == hashlib.sha256(generate(trained[0]).tobytes()).hexdigest()
