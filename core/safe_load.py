@@ -27,23 +27,33 @@ and without CPU offload (measured with ``get_unsafe_globals_in_checkpoint`` on r
 what an fp16 config writes instead of ``LossScaler``). A DeepSpeed upgrade that adds a type makes loading fail with
 a one-line message naming it, never silently unsafe.
 
+Resuming on another number of ranks goes through DeepSpeed's universal checkpoint (``convert_to_universal``, then
+``load_engine_checkpoint(..., universal=True)``): the conversion reads the same engine files and writes per-parameter
+fp32 weights and Adam moments; it runs inside the same data-only context, and the files it writes are scanned and
+loaded under it too.
+
 The process-wide settings (an environment variable and torch's global allow-list) are restored on exit; a load
 running concurrently in another thread would only be made stricter, never laxer.
 """
 
 from __future__ import annotations
 
+import argparse
+import io
+import logging
 import os
 import pickle
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from core.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 _UNSUPPORTED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
@@ -99,18 +109,49 @@ def check_data_only(directory: str | Path) -> None:
                                             "not contain (only tensors and DeepSpeed's own data types are loaded)")
 
 
-def load_engine_checkpoint(engine, load_dir: str | Path, tag: str, **options: Any) -> dict:
+def load_engine_checkpoint(engine, load_dir: str | Path, tag: str, *, universal: bool = False, **options: Any) -> dict:
     """``engine.load_checkpoint(load_dir, tag=tag, **options)`` with every file loaded as data; the client state.
 
     Call it on every rank, in place of ``engine.load_checkpoint``. ``options`` are DeepSpeed's (e.g.
     ``load_module_strict=True``); a missing tag is an error here, where DeepSpeed would only log a warning.
+    ``universal``: the tag is a universal checkpoint (``convert_to_universal``), written by any number of ranks.
     """
     check_data_only(Path(load_dir) / tag)
-    with data_only_torch_load():
+    with data_only_torch_load(), _universal_load(engine, universal):
         load_path, client_state = engine.load_checkpoint(str(load_dir), tag=tag, **options)
     if load_path is None:
         raise UserError(f"{load_dir}: DeepSpeed found no checkpoint with tag {tag!r}")
     return client_state or {}
+
+
+@contextmanager
+def _universal_load(engine, universal: bool) -> Iterator[None]:
+    """DeepSpeed reads ``checkpoint.load_universal`` from the engine's config at load time
+    (``engine.load_universal_checkpoint()``), and only there: switching it for one load lets the same engine resume
+    either layout, where the JSON key would fix the choice when the engine is built, before the checkpoint is known."""
+    before = engine._config.load_universal_checkpoint
+    engine._config.load_universal_checkpoint = universal
+    try:
+        yield
+    finally:
+        engine._config.load_universal_checkpoint = before
+
+
+def convert_to_universal(source: str | Path, target: str | Path) -> None:
+    """Convert the DeepSpeed checkpoint folder ``source`` (one tag, any ZeRO stage) into a universal checkpoint in
+    ``target``, which any number of ranks can load. DeepSpeed's own converter (``ds_to_universal.main``), in this
+    process: every file it reads is scanned and loaded as data, like a load; one worker, because its worker pool
+    would fork a process that holds torch's threads. ``inject_missing_state``: ZeRO-1/2 files of a model that is not
+    tensor- or pipeline-parallel carry no ``universal_checkpoint_info``; the converter's default for it is right."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    check_data_only(source)
+    args = argparse.Namespace(input_folder=str(source), output_folder=str(target), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    printed = io.StringIO()  # the converter reports progress with print(): keep it out of the run's stdout
+    with data_only_torch_load(), redirect_stdout(printed):
+        ds_to_universal.main(args)
+    logger.debug("ds_to_universal: %s", printed.getvalue())
 
 
 def _reason(error: BaseException) -> str:

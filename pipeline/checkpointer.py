@@ -2,10 +2,19 @@
 what they hold (DeepSpeed's engine checkpoint plus every registered stateful object, per rank), when they are due,
 and the choreography that makes a step count only once every rank has written it.
 
-A step is saved in three moves: all ranks write into one staging folder (a node-local disk for one node, shared
-storage for several), one committer uploads it and writes the manifest last (``core.storage``), then the retention
-policy prunes. ``latest`` moves only after the manifest exists, so a crash at any point leaves the previous
-checkpoint or a complete new one.
+A step is saved in three moves: every rank stages its own files on its own disk and uploads them, one committer
+writes the manifest once every rank's upload is confirmed (``core.storage``), then the retention policy prunes.
+``latest`` moves only after the manifest exists, so a crash at any point leaves the previous checkpoint or a complete
+new one.
+
+A step written by another number of ranks (a job requeued on fewer or more nodes) is resumed through DeepSpeed's
+universal checkpoint: each host converts the downloaded engine tag (``core.safe_load.convert_to_universal``) and every
+rank loads its new ZeRO partitions from it, weights, Adam moments and step counts included. The per-rank states are
+mapped onto the new ranks (``_load_resharded``): what is the same on every rank (the updater's counters and KL
+controller, the prompt sampler's global position in its stream, the progress, the RNG) comes from rank 0's file;
+the anchor, lagged-policy and EMA shards are re-partitioned exactly from every old rank's file. The run continues
+where it stopped, its metrics continuous; it is not bit-identical to a run that never changed size, because each
+iteration then takes ``prompts_per_rank`` x the new world size prompts.
 """
 
 from __future__ import annotations
@@ -23,16 +32,21 @@ import torch
 
 from core import distributed
 from core.errors import UserError
-from core.safe_load import load_engine_checkpoint
+from core.safe_load import convert_to_universal, load_engine_checkpoint
 from core.storage import FileEntry, load_torch
 from pipeline.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
 ENGINE_TAG = "engine"
+UNIVERSAL_TAG = "universal"  # the engine tag converted for another world size, beside it in the restore folder
 
 
 class Stateful(Protocol):
+    """Saved per rank. An object whose state differs between ranks also has
+    ``load_resharded_state_dict(states, rank, world)``: every old rank's state, for this rank of a new world size;
+    the others are given rank 0's state when the world size changed."""
+
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
@@ -50,9 +64,11 @@ class RNGState:
 
 
 def config_hash(config: RunConfig) -> str:
-    """What must match for a checkpoint to continue this run: everything but how long it runs and where it logs."""
+    """What must match for a checkpoint to continue this run: everything but how long it runs, where it logs and
+    where it publishes."""
     data = config.model_dump(mode="json", exclude={"run": {"max_iterations", "time_budget_minutes"},
-                                                   "tracking": True, "checkpoint": True})
+                                                   "tracking": True, "checkpoint": True,
+                                                   "registry": True})
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
@@ -123,7 +139,8 @@ class Checkpointer:
                          higher_is_better=self.retention.higher_is_better, run_id=self.run_id)
         logger.info("checkpoint step-%d committed to %s", step, self.store.uri)
 
-    def load(self, resume: str, *, same_run: bool = True, require: bool = False, fresh_start: bool = False) -> int | None:
+    def load(self, resume: str, *, same_run: bool = True, require: bool = False,
+             fresh_start: bool = False) -> int | None:
         """Restore the engine and every registered state from a verified checkpoint; return its step, or None when
         ``resume`` is ``auto`` and nothing is there yet. ``same_run`` (resuming) demands the config the checkpoint was
         written with and continues its run identity; evaluating or sampling a saved policy may change the sampler.
@@ -138,15 +155,23 @@ class Checkpointer:
             return None
         manifest = distributed.on_main(lambda: self.store.read_manifest(step))
         self._check_compatible(step, manifest, same_run)
+        resharded = manifest.world_size != distributed.world_size()
+        if resharded:
+            logger.warning("checkpoint step-%d was written by %d rank(s); continuing it on %d through DeepSpeed's "
+                           "universal checkpoint", step, manifest.world_size, distributed.world_size())
         local = self.work_dir / "checkpoint-restore" / f"step-{step}"
-        leader = distributed.node_leader()  # one download per host; every rank of the host reads it
-        distributed.gather_or_raise(lambda: self._download(step, local) if leader else None)
+        leader = distributed.node_leader()  # one download (and conversion) per host; every rank of the host reads it
+        distributed.gather_or_raise(lambda: self._fetch(step, local, resharded) if leader else None)
         # A checkpoint is data: DeepSpeed's files load with weights_only forced (core.safe_load), ours with
         # weights_only=True, after every file's sha256 was verified against the manifest.
-        load_engine_checkpoint(self.engine, local, ENGINE_TAG, load_module_strict=True)
-        saved = load_torch(self._rank_file(local))
-        for name, state in self.states.items():
-            state.load_state_dict(saved[name])
+        load_engine_checkpoint(self.engine, local, UNIVERSAL_TAG if resharded else ENGINE_TAG, universal=resharded,
+                               load_module_strict=True)
+        if resharded:
+            self._load_resharded(local, manifest.world_size)
+        else:
+            saved = load_torch(self._rank_file(local))
+            for name, state in self.states.items():
+                state.load_state_dict(saved[name])
         distributed.barrier()
         if leader:
             shutil.rmtree(local, ignore_errors=True)
@@ -156,18 +181,27 @@ class Checkpointer:
             self.run_id = distributed.on_main(lambda: manifest.run_id or self.store.owner())
         return step
 
-    def _download(self, step: int, local: Path) -> None:
+    def _fetch(self, step: int, local: Path, resharded: bool) -> None:
         shutil.rmtree(local, ignore_errors=True)
         self.store.download(step, local)  # verifies every file's size and sha256 before anything loads it
+        if resharded:
+            convert_to_universal(local / ENGINE_TAG, local / UNIVERSAL_TAG)
+
+    def _load_resharded(self, local: Path, saved_world: int) -> None:
+        """Every old rank's states, mapped onto this rank of the new world size (see the module's docstring)."""
+        saved = [load_torch(self._rank_file(local, rank)) for rank in range(saved_world)]
+        rank, world = distributed.rank(), distributed.world_size()
+        for name, state in self.states.items():
+            if hasattr(state, "load_resharded_state_dict"):
+                state.load_resharded_state_dict([states[name] for states in saved], rank, world)
+            else:
+                state.load_state_dict(saved[0][name])
 
     def _check_compatible(self, step: int, manifest, same_run: bool) -> None:
-        if manifest.world_size != distributed.world_size():
-            raise UserError(f"checkpoint step-{step} was written by {manifest.world_size} rank(s); resume it with "
-                            f"the same number (ZeRO-3 partitions are per rank), not {distributed.world_size()}")
         if same_run and manifest.config_hash != self.config_hash:
             raise UserError(f"checkpoint step-{step} was written with a different config; only run.max_iterations, "
-                            "run.time_budget_minutes, tracking and checkpoint may change on resume")
+                            "run.time_budget_minutes, tracking, checkpoint and registry may change on resume")
 
     @staticmethod
-    def _rank_file(folder: Path) -> Path:
-        return folder / f"pipeline_state_rank{distributed.rank()}.pt"
+    def _rank_file(folder: Path, rank: int | None = None) -> Path:
+        return folder / f"pipeline_state_rank{distributed.rank() if rank is None else rank}.pt"

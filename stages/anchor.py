@@ -12,6 +12,11 @@ all-gathers them, so swapping the local shards makes the next forward run the an
 copy on one rank, and a refresh is a local copy with no communication. Under LoRA the frozen base weights are shared
 and only adapter values are swapped: there is no second model to load into, so LoRA keys can never silently fail to
 load (the reference code's non-strict load into a plain copy made its anchor a no-op).
+
+Checkpoints hold each rank's shards. A run resumed on another number of ranks re-partitions them exactly
+(``load_resharded_state_dict``): the old ranks' shards, concatenated in rank order, are the whole flat parameter
+plus ZeRO-3's zero padding, which is cut off and re-split the way ZeRO-3 partitions (ceil(numel / world) per rank,
+the last one padded). So the anchor and the lagged policy continue unchanged, with no refresh.
 """
 
 from __future__ import annotations
@@ -132,3 +137,22 @@ class Anchor:
                 raise ValueError("anchor checkpoint shard shapes differ (was it saved with another world size?)")
             saved.copy_(value)
         self.refreshes = int(state["refreshes"])
+
+    @torch.no_grad()
+    def load_resharded_state_dict(self, states: list[dict], rank: int, world: int) -> None:
+        """Load the shards every rank of a run on another number of ranks saved (``states``, in rank order) as this
+        rank's shards of ``world``. Without ZeRO-3 every rank holds whole values: rank 0's are everyone's."""
+        if any(len(state["values"]) != len(self._saved) for state in states):
+            raise ValueError("anchor checkpoint does not match the trainable parameters")
+        values = [self._reshard(param, [state["values"][i] for state in states], rank, world)
+                  for i, param in enumerate(self.params)]
+        self.load_state_dict({"refreshes": states[0]["refreshes"], "values": values})
+
+    @staticmethod
+    def _reshard(param: torch.nn.Parameter, shards: list[torch.Tensor], rank: int, world: int) -> torch.Tensor:
+        if not _is_zero3(param):
+            return shards[0]
+        whole = torch.cat([shard.flatten() for shard in shards])[: param.ds_numel]
+        size = _holder(param).numel()
+        padded = torch.nn.functional.pad(whole, (0, max(0, size * world - whole.numel())))
+        return padded.narrow(0, rank * size, size).view_as(_holder(param))

@@ -514,6 +514,17 @@ class Updater:
         if self.lagged is not None:
             self.lagged.load_state_dict(state["lagged"])
 
+    def load_resharded_state_dict(self, states: list[dict], rank: int, world: int) -> None:
+        """The states every rank of a run on another number of ranks saved: the counters and the KL controller are
+        the same on every rank (they follow all-reduced metrics), rank 0's are taken; the anchor and lagged shards are
+        re-partitioned for this rank of ``world`` (``Anchor.load_resharded_state_dict``)."""
+        self.updates_done = int(states[0]["updates_done"])
+        self.skipped_updates = int(states[0]["skipped_updates"])
+        self.controller.load_state_dict(states[0]["controller"])
+        for name, copy in (("anchor", self.anchor), ("lagged", self.lagged)):
+            if copy is not None:
+                copy.load_resharded_state_dict([state[name] for state in states], rank, world)
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Diagnostics

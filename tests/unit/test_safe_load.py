@@ -99,3 +99,13 @@ def test_the_process_settings_are_restored(monkeypatch, before):
     assert os.environ.get(FORCE_WEIGHTS_ONLY) == before
     assert os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] == "1"
     assert torch.serialization.get_safe_globals() == allowed_before
+
+
+def test_the_universal_conversion_refuses_a_planted_pickle_before_reading_it(tmp_path):
+    from core.safe_load import convert_to_universal
+
+    marker = tmp_path / "marker"
+    plant(tmp_path / "engine" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", marker)
+    with pytest.raises(UnsafeCheckpointError, match="io.open"):
+        convert_to_universal(tmp_path / "engine", tmp_path / "universal")
+    assert not marker.exists() and not (tmp_path / "universal").exists()
