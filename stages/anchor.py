@@ -48,25 +48,35 @@ def _holder(param: torch.nn.Parameter) -> torch.Tensor:
 
 
 class Anchor:
-    """A snapshot of the trainable parameters' local values, optionally kept in host memory (``offload``)."""
+    """A snapshot of the trainable parameters' local values, optionally kept in host memory (``offload``) and in
+    another precision (``dtype``: the EMA keeps float32 values of bf16 weights)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], offload: bool = False):
+    def __init__(self, params: list[torch.nn.Parameter], offload: bool = False, dtype: torch.dtype | None = None):
         if not params:
             raise ValueError("the anchor needs at least one trainable parameter")
         self.params = params
         self.offload = offload
+        self.dtype = dtype
         self.refreshes = 0
         self._saved = [self._store(_holder(p).data) for p in params]
         self._staged: list[torch.Tensor] | None = None
 
     @classmethod
-    def snapshot(cls, module: torch.nn.Module, offload: bool = False) -> "Anchor":
-        return cls([p for p in module.parameters() if p.requires_grad], offload=offload)
+    def snapshot(cls, module: torch.nn.Module, offload: bool = False, dtype: torch.dtype | None = None) -> Anchor:
+        return cls([p for p in module.parameters() if p.requires_grad], offload=offload, dtype=dtype)
 
     def _store(self, view: torch.Tensor) -> torch.Tensor:
+        dtype = self.dtype or view.dtype
         if self.offload and view.device.type != "cpu":
-            return view.detach().to("cpu", copy=True).pin_memory()
-        return view.detach().clone()
+            return view.detach().to("cpu", dtype=dtype, copy=True).pin_memory()
+        return view.detach().to(dtype=dtype, copy=True)
+
+    @torch.no_grad()
+    def blend(self, decay: float) -> None:
+        """One EMA step toward the policy's current local values: saved = decay x saved + (1 - decay) x policy."""
+        self._synchronize()
+        for param, saved in zip(self.params, self._saved):
+            saved.lerp_(_holder(param).data.to(saved.device, saved.dtype), 1.0 - decay)
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -111,12 +121,39 @@ class Anchor:
             else:  # exchange the storages, no copy; the swap back restores the optimizer's views exactly
                 holder.data, self._saved[i] = self._saved[i], holder.data
 
+    @torch.no_grad()
+    def _copy_in(self) -> list[torch.Tensor]:
+        """The saved values copied into the policy (cast to its precision); returns the policy's own values."""
+        kept = []
+        for param, saved in zip(self.params, self._saved):
+            if _is_zero3(param):
+                _release_if_gathered(param)
+            kept.append(_holder(param).data.clone())
+            _holder(param).data.copy_(saved)
+        return kept
+
+    @torch.no_grad()
+    def _restore(self, kept: list[torch.Tensor]) -> None:
+        for param, values in zip(self.params, kept):
+            if _is_zero3(param):
+                _release_if_gathered(param)
+            _holder(param).data.copy_(values)
+
     @contextmanager
     def swapped_in(self):
         """Within the block the module computes with the anchor's weights; the policy's are restored on exit.
 
         Use it for no-grad forwards only: a backward outside the block would otherwise re-gather the anchor values.
+        Values held in another precision than the weights' are copied in and the policy's kept aside (an exchange
+        would round the held values to the weights' precision).
         """
+        if self.dtype is not None and any(_holder(p).dtype != self.dtype for p in self.params):
+            kept = self._copy_in()
+            try:
+                yield
+            finally:
+                self._restore(kept)
+            return
         self._swap()
         try:
             yield

@@ -256,21 +256,31 @@ def _step_sigmas(sigmas: torch.Tensor, t: int, batch: int, device) -> tuple[torc
     return pair[0].expand(batch), pair[1].expand(batch)
 
 
-def score_transition(adapter: VideoModelAdapter, rollout: Rollout, samples: torch.Tensor, t: int, *,
+def score_transition(adapter: VideoModelAdapter, rollout: Rollout, samples: torch.Tensor, t: int | torch.Tensor, *,
                      module: torch.nn.Module | None = None) -> SDEStepOutput:
     """The Gaussian of step ``t`` of ``samples`` under ``module`` (default: the adapter's transformer) and the
     log-prob of the recorded transition under it: the one scorer of recorded transitions (rollout recompute, the
     update's policy, anchor and lagged forwards, the equalizer diagnostic). Same sigmas, eta and code path as the
     rollout, so on the rollout's own batches and weights it reproduces the recorded log-probs bit for bit.
 
-    Runs under the caller's grad mode; ``samples`` is a CPU index tensor, moved to the latents' device here.
+    ``t`` may be a CPU tensor of one timestep per sample: several (chunk, timestep) pairs in one forward. Their steps
+    must share one eta (every trained step does: the config's). Runs under the caller's grad mode; ``samples`` is a
+    CPU index tensor, moved to the latents' device here.
     """
     on_device = samples.to(rollout.latents.device)
-    x = rollout.latents[on_device, t]
-    sigma, sigma_next = _step_sigmas(rollout.sigmas, t, len(samples), x.device)
+    if torch.is_tensor(t):
+        etas = rollout.step_etas[t].unique()
+        if len(etas) != 1:
+            raise ValueError(f"timesteps {sorted(set(t.tolist()))} of one forward have different etas {etas.tolist()}")
+        steps, eta = t.to(rollout.latents.device), float(etas[0])
+        sigma, sigma_next = rollout.sigmas[t].to(on_device.device), rollout.sigmas[t + 1].to(on_device.device)
+    else:
+        steps, eta = t, float(rollout.step_etas[t])
+        sigma, sigma_next = _step_sigmas(rollout.sigmas, t, len(samples), rollout.latents.device)
+    x = rollout.latents[on_device, steps]
     velocity = adapter.predict_velocity(x, sigma, rollout.sample_embeddings(samples), module=module)
-    return sde_step(rollout.sde_config.sde_variant, velocity, x, sigma, sigma_next, float(rollout.step_etas[t]),
-                    prev_sample=rollout.latents[on_device, t + 1])
+    return sde_step(rollout.sde_config.sde_variant, velocity, x, sigma, sigma_next, eta,
+                    prev_sample=rollout.latents[on_device, steps + 1])
 
 
 def recompute_log_probs(

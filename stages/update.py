@@ -1,14 +1,18 @@
-"""Stage 4, the GRPO update: one optimizer update per rollout batch on a DeepSpeed engine.
+"""Stage 4, the GRPO update: one or more optimizer updates per rollout batch on a DeepSpeed engine.
 
-Recipe, per update:
-  1. order every (sample chunk, trained timestep) pair at random (seeded by the update index);
-  2. for each pair: the anchor's mean (no grad, anchor weights swapped in) when position KL is on, then the policy's
-     velocity and the log-prob of the recorded transition; loss = clipped surrogate x S_t
+Recipe, per rollout:
+  1. order every (sample chunk, trained timestep) pair at random (seeded by the update index), group them
+     ``transitions_per_micro_step`` to a forward, and split them into ``updates_per_rollout`` mini-batches, each one
+     optimizer update (PPO's reuse of a rollout: from the second update on the ratio departs from 1, so the clip and
+     the velocity KL to the lagged policy act);
+  2. for each micro-step: the anchor's mean (no grad, anchor weights swapped in) when position KL is on, then the
+     policy's velocity and the log-prob of the recorded transition; loss = clipped surrogate x S_t
      + lambda_KL x (position KL + 0.1 x step-wise KL); ``engine.backward``; ``engine.step`` (DeepSpeed applies the
      optimizer at the accumulation boundary, i.e. once per update);
   3. a non-finite gradient norm makes DeepSpeed skip the step on every rank (the norm is all-reduced); it is counted;
   4. lambda_KL's controller sees the update's KL; the anchor refreshes every N updates; the lagged policy (velocity
-     term's reference, pi_{k-1}) becomes this update's starting weights once the update was applied.
+     term's reference, pi_{k-1}) becomes this update's starting weights once the update was applied; the EMA of the
+     weights (``ema_decay``, for evaluation and export through ``Updater.ema_swapped_in``) takes a step.
 
 Why the calibrated lambda (``trust_region.preset: calibrated``). Log-prob and KL are both per-element means in units
 of the step's std, so for one micro-step |grad policy| ~ |A| / (std sqrt(E)) and |grad lambda KL| ~ lambda (dmu/std) /
@@ -23,22 +27,35 @@ first measurement matched the estimate to 5%). The paper's lambda in [1e-7, 1e-5
 from __future__ import annotations
 
 import json
+import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from core import distributed, sde
 from core.errors import UserError
+from core.grpo import (
+    AdaptiveKLController,
+    Advantages,
+    KLFeedback,
+    SurrogateTerms,
+    clipped_surrogate,
+    gaussian_mean_kl,
+    group_advantages,
+    stepwise_kl,
+)
 from core.schedules import LRSchedule, lr_multiplier
-from core.grpo import (AdaptiveKLController, Advantages, KLFeedback, SurrogateTerms, clipped_surrogate,
-                       gaussian_mean_kl, group_advantages, stepwise_kl)
 from core.trust_region import KLStrategy, TrustRegion
 from stages.anchor import Anchor
 from stages.rollout import score_transition
+
+logger = logging.getLogger(__name__)
 
 DEEPSPEED_CONFIGS = Path(__file__).resolve().parent.parent / "deepspeed_configs"
 
@@ -66,6 +83,17 @@ class UpdateConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0)
     clip_range: float = Field(1e-4, gt=0)
     micro_batch_size: int = Field(1, ge=1)
+    # Optimizer updates per rollout: the rollout's (chunk, timestep) pairs, shuffled, split into this many equal
+    # mini-batches, each one optimizer step (PPO's reuse: from the second on, the ratio departs from 1 and the clip and
+    # the velocity KL act). 1 is the paper's one update per rollout.
+    updates_per_rollout: int = Field(1, ge=1, le=1000)
+    # (chunk, timestep) pairs batched into one forward: fewer, larger forwards (this many x micro_batch_size samples).
+    # The batch composition then differs from the rollout's, so the first update's ratio is 1 only to float precision
+    # (|ratio - 1| <= RATIO_TOLERANCE, tested), not bit for bit.
+    transitions_per_micro_step: int = Field(1, ge=1, le=1000)
+    # EMA of the trainable weights for evaluation and export (Updater.ema_swapped_in), stepped after every applied
+    # update and kept in float32 as each rank's own shards; None: off.
+    ema_decay: float | None = Field(None, gt=0, lt=1)
     equalizer: bool = True
     advantage_clip: float = Field(5.0, gt=0)
     global_std: bool = False
@@ -73,10 +101,16 @@ class UpdateConfig(BaseModel):
     seed: int = Field(0, ge=0, lt=2**63)
 
     @model_validator(mode="after")
-    def _decay_has_a_length(self) -> "UpdateConfig":
+    def _decay_has_a_length(self) -> UpdateConfig:
         if self.lr_schedule != "constant" and self.lr_decay_steps is None:
             raise ValueError(f"lr_schedule={self.lr_schedule} needs update.lr_decay_steps (updates to decay over)")
         return self
+
+    def accumulation_steps(self, samples_per_rank: int, trained_steps: int) -> int:
+        """Micro-steps per optimizer update: the DeepSpeed engine's gradient_accumulation_steps for this config."""
+        return accumulation_steps(samples_per_rank, self.micro_batch_size, trained_steps,
+                                  updates_per_rollout=self.updates_per_rollout,
+                                  transitions_per_micro_step=self.transitions_per_micro_step)
 
     def lr_scheduler(self, optimizer):
         """The torch scheduler DeepSpeed steps; a LambdaLR whose lambda is a pure function of the step."""
@@ -282,10 +316,21 @@ def _hidden_size(module: torch.nn.Module) -> int | None:
     return None
 
 
-def accumulation_steps(samples_per_rank: int, micro_batch_size: int, trained_steps: int) -> int:
+def accumulation_steps(samples_per_rank: int, micro_batch_size: int, trained_steps: int, *,
+                       updates_per_rollout: int = 1, transitions_per_micro_step: int = 1) -> int:
+    """Micro-steps per optimizer update: (chunks x trained steps) transitions per rollout, grouped
+    ``transitions_per_micro_step`` to a forward, split into ``updates_per_rollout`` equal mini-batches. Each must
+    divide exactly, or mini-batches would weigh their transitions unequally: a ValueError says what to change."""
     if samples_per_rank % micro_batch_size:
         raise ValueError(f"{samples_per_rank} samples per rank do not split into micro batches of {micro_batch_size}")
-    return samples_per_rank // micro_batch_size * trained_steps
+    transitions = samples_per_rank // micro_batch_size * trained_steps
+    per_update = transitions_per_micro_step * updates_per_rollout
+    if transitions % per_update:
+        raise ValueError(f"the {transitions} (chunk, timestep) transitions per rollout (samples per rank / "
+                         f"micro_batch_size x trained steps) do not split into update.updates_per_rollout="
+                         f"{updates_per_rollout} mini-batches of micro-steps of update.transitions_per_micro_step="
+                         f"{transitions_per_micro_step} transitions")
+    return transitions // per_update
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -314,12 +359,26 @@ def _gather_rewards(rewards: list[float | None]) -> list[float | None]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+# |ratio - 1| of the first update when transitions_per_micro_step > 1 (the forward's batch differs from the rollout's,
+# so kernels round differently: measured ~1e-7 on CPU, float32). Ten times below the default clip range (1e-4), so the
+# first update is not clipped; tested in tests/distributed/test_throughput.py.
+RATIO_TOLERANCE = 1e-5
+
+
 @dataclass
 class Transition:
-    """What one micro-step trains on: a chunk of samples at one timestep."""
+    """What one micro-step trains on: a chunk of samples at one timestep, or, with transitions_per_micro_step > 1,
+    several (chunk, timestep) pairs concatenated (``step`` then holds each sample's timestep)."""
 
     samples: torch.Tensor
-    step: int
+    step: int | torch.Tensor
+
+    @classmethod
+    def batched(cls, pairs: list[Transition]) -> Transition:
+        if len(pairs) == 1:
+            return pairs[0]
+        return cls(torch.cat([p.samples for p in pairs]),
+                   torch.cat([torch.full((len(p.samples),), p.step, dtype=torch.long) for p in pairs]))
 
 
 @dataclass
@@ -330,10 +389,22 @@ class _Totals:
     ratio_min: float = math.inf
     ratio_max: float = -math.inf
 
-    def add(self, **values: float) -> None:
+    def add(self, terms: LossTerms) -> None:
+        ratio = terms.surrogate.ratio
+        values = dict(loss=terms.loss.item(), policy_loss=terms.policy.item(), kl=terms.kl.item(),
+                      position_kl=terms.position_kl.item(), velocity_kl=terms.velocity_kl.item(),
+                      clip_fraction=terms.surrogate.clipped.float().mean().item(), ratio_mean=ratio.mean().item())
         for key, value in values.items():
             self.sums[key] = self.sums.get(key, 0.0) + float(value)
         self.count += 1
+        self.ratio_min = min(self.ratio_min, ratio.min().item())
+        self.ratio_max = max(self.ratio_max, ratio.max().item())
+
+    def merge(self, other: _Totals) -> None:
+        for key, value in other.sums.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+        self.count += other.count
+        self.ratio_min, self.ratio_max = min(self.ratio_min, other.ratio_min), max(self.ratio_max, other.ratio_max)
 
     def means(self) -> dict[str, float]:
         return {key: value / max(self.count, 1) for key, value in self.sums.items()}
@@ -352,10 +423,11 @@ class LossTerms:
 
 
 def micro_step_loss(step: sde.SDEStepOutput, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                    valid: torch.Tensor, weight: float, region: TrustRegion, kl_weight: float, *,
+                    valid: torch.Tensor, weight: float | torch.Tensor, region: TrustRegion, kl_weight: float, *,
                     clip_range: float, anchor_mean: torch.Tensor | None = None,
                     lagged_mean: torch.Tensor | None = None) -> LossTerms:
-    """policy term x S_t + lambda x (position KL + velocity weight x velocity KL) for one chunk at one step.
+    """policy term x S_t + lambda x (position KL + velocity weight x velocity KL) for one chunk at one step, or for
+    several (chunk, step) pairs at once (``weight`` then holds each sample's S_t).
 
     Every tensor argument must already be on the policy's device (``Updater.update`` moves them once): mixing a
     CPU advantage with a CUDA ratio is exactly the error the first GPU update would raise. The velocity KL is the
@@ -388,8 +460,9 @@ def gradient_ratio(terms: LossTerms, kl_weight: float, params: list[torch.nn.Par
 
 
 class Updater:
-    """Holds what persists across updates: the engine, the anchor, the lagged policy, the KL controller and the
-    counters. Under ZeRO-3 the anchor and the lagged policy are each rank's own shards (``stages/anchor.py``)."""
+    """Holds what persists across updates: the engine, the anchor, the lagged policy, the EMA, the KL controller and
+    the counters. Under ZeRO-3 the anchor, the lagged policy and the EMA are each rank's own shards
+    (``stages/anchor.py``)."""
 
     def __init__(self, engine, adapter, update_config: UpdateConfig, trust_config: TrustRegionConfig):
         self.engine = engine
@@ -402,33 +475,39 @@ class Updater:
         self.anchor = Anchor.snapshot(engine.module, offload=offload) if self.trust.needs_anchor else None
         lagged = self.trust.uses_stepwise_kl and trust_config.velocity_estimator == "lagged"
         self.lagged = Anchor.snapshot(engine.module, offload=offload) if lagged else None
+        # float32 whatever the weights' precision: a bf16 EMA would stall (decay 0.999 moves it by 1e-3 of the
+        # difference, below bf16's resolution).
+        self.ema = (Anchor.snapshot(engine.module, offload=offload, dtype=torch.float32)
+                    if update_config.ema_decay is not None else None)
         self.updates_done = 0
         self.skipped_updates = 0
 
     # -- the recipe -----------------------------------------------------------------------------------------------
 
     def update(self, rollout, advantages: Advantages) -> dict[str, float]:
+        """``updates_per_rollout`` optimizer updates on this rollout; metrics are over all of them."""
         weights = self._timestep_weights(rollout)
-        totals = _Totals()
-        transitions = self._transitions(rollout)
-        if len(transitions) != self.engine.gradient_accumulation_steps():
-            raise ValueError(f"{len(transitions)} micro-steps in this rollout, but the engine accumulates "
-                             f"{self.engine.gradient_accumulation_steps()}: roll out with batch_size = micro_batch_size")
-        if self.lagged is not None:
-            self.lagged.stage()  # this update's starting weights: the lagged policy once the update is applied
+        minibatches = self._minibatches(rollout)
+        if len(minibatches[0]) != self.engine.gradient_accumulation_steps():
+            raise ValueError(f"{len(minibatches[0])} micro-steps per update in this rollout, but the engine "
+                             f"accumulates {self.engine.gradient_accumulation_steps()}: roll out with batch_size = "
+                             "micro_batch_size and build the engine with UpdateConfig.accumulation_steps")
+        totals, skipped = _Totals(), 0
         measure = self._ratio_due()
-        for i, terms in enumerate(self.losses(rollout, advantages, weights, transitions)):
-            if measure and i == 0:
-                totals.kl_grad_ratio = gradient_ratio(terms, self.controller.value, self._trainable())
-            self.engine.backward(terms.loss)
-            self.engine.step()
-            ratio = terms.surrogate.ratio
-            totals.add(loss=terms.loss.item(), policy_loss=terms.policy.item(), kl=terms.kl.item(),
-                       position_kl=terms.position_kl.item(), velocity_kl=terms.velocity_kl.item(),
-                       clip_fraction=terms.surrogate.clipped.float().mean().item(), ratio_mean=ratio.mean().item())
-            totals.ratio_min = min(totals.ratio_min, ratio.min().item())
-            totals.ratio_max = max(totals.ratio_max, ratio.max().item())
-        return self._finish_update(totals, weights, rollout)
+        for micro_steps in minibatches:
+            if self.lagged is not None:
+                self.lagged.stage()  # this update's starting weights: the lagged policy once the update is applied
+            minibatch = _Totals()
+            for terms in self.losses(rollout, advantages, weights, micro_steps):
+                if measure:
+                    totals.kl_grad_ratio = gradient_ratio(terms, self.controller.value, self._trainable())
+                    measure = False
+                self.engine.backward(terms.loss)
+                self.engine.step()
+                minibatch.add(terms)
+            skipped += self._after_update(minibatch)
+            totals.merge(minibatch)
+        return self._metrics(totals, weights, rollout, skipped)
 
     def losses(self, rollout, advantages: Advantages, weights: torch.Tensor | None = None,
                transitions: list[Transition] | None = None) -> Iterator[LossTerms]:
@@ -440,6 +519,16 @@ class Updater:
         for transition in self._transitions(rollout) if transitions is None else transitions:
             yield self._micro_step(rollout, advantages, weights, transition)
 
+    @contextmanager
+    def ema_swapped_in(self):
+        """Within the block the policy module computes with the EMA weights (no-grad use only: evaluation, sampling,
+        export); the training weights are restored on exit. Without ``update.ema_decay`` it changes nothing."""
+        if self.ema is None:
+            yield
+            return
+        with self.ema.swapped_in():
+            yield
+
     def _ratio_due(self) -> bool:
         every = self.trust_config.kl_grad_ratio_every
         return bool(every) and self.trust.strategy is not KLStrategy.NONE and self.updates_done % every == 0
@@ -448,12 +537,23 @@ class Updater:
         return [p for p in self.engine.module.parameters() if p.requires_grad]
 
     def _transitions(self, rollout) -> list[Transition]:
+        """Every micro-step of this rollout in training order: its (chunk, timestep) pairs shuffled (seeded by the
+        update count, so a resumed run repeats the order), grouped ``transitions_per_micro_step`` to a forward."""
         # The rollout's own transformer batches: the same batch composition reproduces its log-probs bit for bit.
-        chunks = rollout.batches
         steps = [int(t) for t in torch.nonzero(rollout.trained_steps.cpu()).flatten()]
-        pairs = [Transition(chunk, step) for chunk in chunks for step in steps]
-        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(self.config.seed + self.updates_done))
-        return [pairs[i] for i in order]
+        pairs = [Transition(chunk, step) for chunk in rollout.batches for step in steps]
+        generator = torch.Generator().manual_seed(self.config.seed + self.updates_done)
+        shuffled = [pairs[i] for i in torch.randperm(len(pairs), generator=generator)]
+        k = self.config.transitions_per_micro_step
+        return [Transition.batched(shuffled[i:i + k]) for i in range(0, len(shuffled), k)]
+
+    def _minibatches(self, rollout) -> list[list[Transition]]:
+        micro_steps = self._transitions(rollout)
+        size = len(micro_steps) // self.config.updates_per_rollout
+        if size == 0 or len(micro_steps) % size:
+            raise ValueError(f"{len(micro_steps)} micro-steps in this rollout do not split into "
+                             f"update.updates_per_rollout={self.config.updates_per_rollout} equal mini-batches")
+        return [micro_steps[i:i + size] for i in range(0, len(micro_steps), size)]
 
     def _timestep_weights(self, rollout) -> torch.Tensor:
         return timestep_weights(rollout, equalize=self.config.equalizer)
@@ -466,13 +566,33 @@ class Updater:
                 with torch.no_grad(), copy.swapped_in():
                     references[name] = score_transition(self.adapter, rollout, index, t, module=self.engine).mean
         step = score_transition(self.adapter, rollout, index, t, module=self.engine)
-        on_device = index.to(rollout.latents.device)
-        return micro_step_loss(step, rollout.log_probs[on_device, t].float(), advantages.values[on_device],
-                               advantages.valid[on_device].float(), float(weights[t]), self.trust,
+        device = rollout.latents.device
+        on_device = index.to(device)
+        if torch.is_tensor(t):  # batched pairs: each sample's own timestep and S_t
+            old_log_prob, weight = rollout.log_probs[on_device, t.to(device)], weights[t].to(device)
+        else:
+            old_log_prob, weight = rollout.log_probs[on_device, t], float(weights[t])
+        return micro_step_loss(step, old_log_prob.float(), advantages.values[on_device],
+                               advantages.valid[on_device].float(), weight, self.trust,
                                self.controller.value, clip_range=self.config.clip_range, **references)
 
-    def _finish_update(self, totals: _Totals, weights, rollout) -> dict[str, float]:
-        skipped = not self.engine.was_step_applied()
+    def _after_update(self, minibatch: _Totals) -> int:
+        """Bookkeeping once an optimizer update's micro-steps are done; returns 1 if DeepSpeed skipped it."""
+        if not self.engine.was_step_applied():
+            self.skipped_updates += 1
+            return 1
+        self.updates_done += 1
+        # The KL of this update averaged over ranks, so every rank's controller (and checkpoint) agrees.
+        self.controller.update(distributed.all_reduce_mean({"kl": minibatch.means().get("kl", 0.0)})["kl"])
+        if self.lagged is not None:
+            self.lagged.commit()
+        if self.anchor is not None and self.trust.refresh_due(self.updates_done):
+            self.anchor.refresh()
+        if self.ema is not None:
+            self.ema.blend(self.config.ema_decay)
+        return 0
+
+    def _metrics(self, totals: _Totals, weights, rollout, skipped: int) -> dict[str, float]:
         metrics = distributed.all_reduce_mean(totals.means())
         metrics["ratio_min"], metrics["ratio_max"] = totals.ratio_min, totals.ratio_max
         if totals.kl_grad_ratio is not None:
@@ -482,15 +602,6 @@ class Updater:
         metrics["grad_norm"] = float("nan") if grad_norm is None else float(grad_norm)
         trained = weights[rollout.trained_steps.cpu()]
         metrics["equalizer_min"], metrics["equalizer_max"] = float(trained.min()), float(trained.max())
-        if skipped:
-            self.skipped_updates += 1
-        else:
-            self.updates_done += 1
-            self.controller.update(metrics["kl"])
-            if self.lagged is not None:
-                self.lagged.commit()
-            if self.anchor is not None and self.trust.refresh_due(self.updates_done):
-                self.anchor.refresh()
         metrics["skipped"] = float(skipped)
         metrics["skipped_updates"] = float(self.skipped_updates)
         metrics["updates_done"] = float(self.updates_done)
@@ -503,7 +614,8 @@ class Updater:
         return {"updates_done": self.updates_done, "skipped_updates": self.skipped_updates,
                 "controller": self.controller.state_dict(),
                 "anchor": self.anchor.state_dict() if self.anchor else None,
-                "lagged": self.lagged.state_dict() if self.lagged else None}
+                "lagged": self.lagged.state_dict() if self.lagged else None,
+                "ema": self.ema.state_dict() if self.ema else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.updates_done = int(state["updates_done"])
@@ -513,17 +625,30 @@ class Updater:
             self.anchor.load_state_dict(state["anchor"])
         if self.lagged is not None:
             self.lagged.load_state_dict(state["lagged"])
+        if self.ema is not None:
+            self._load_ema(state.get("ema"))
+
+    def _load_ema(self, state: dict | None) -> None:
+        if state is None:  # a checkpoint of a run without EMA: start the average at the restored weights
+            logger.warning("update.ema_decay is set but the checkpoint has no EMA: it starts from the restored weights")
+            self.ema.refresh()
+        else:
+            self.ema.load_state_dict(state)
 
     def load_resharded_state_dict(self, states: list[dict], rank: int, world: int) -> None:
         """The states every rank of a run on another number of ranks saved: the counters and the KL controller are
-        the same on every rank (they follow all-reduced metrics), rank 0's are taken; the anchor and lagged shards are
-        re-partitioned for this rank of ``world`` (``Anchor.load_resharded_state_dict``)."""
+        the same on every rank (they follow all-reduced metrics), rank 0's are taken; the anchor, lagged and EMA shards
+        are re-partitioned for this rank of ``world`` (``Anchor.load_resharded_state_dict``)."""
         self.updates_done = int(states[0]["updates_done"])
         self.skipped_updates = int(states[0]["skipped_updates"])
         self.controller.load_state_dict(states[0]["controller"])
         for name, copy in (("anchor", self.anchor), ("lagged", self.lagged)):
             if copy is not None:
                 copy.load_resharded_state_dict([state[name] for state in states], rank, world)
+        if self.ema is not None and states[0].get("ema") is not None:
+            self.ema.load_resharded_state_dict([state["ema"] for state in states], rank, world)
+        elif self.ema is not None:
+            self._load_ema(None)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stages.anchor import Anchor
-from stages.update import accumulation_steps, deepspeed_config
+from stages.update import UpdateConfig, accumulation_steps, deepspeed_config
 
 pytestmark = pytest.mark.unit
 
@@ -85,7 +85,8 @@ def test_anchor_rejects_a_checkpoint_of_other_shapes():
 
 
 def test_auto_fields_are_filled_from_the_run_config():
-    config = deepspeed_config("zero3", micro_batch_size=2, accumulation_steps=19, max_grad_norm=0.5, bf16=True)
+    config = deepspeed_config("zero3", micro_batch_size=2, accumulation_steps=19, max_grad_norm=0.5, bf16=True,
+                              world_size=1)
     assert config["train_micro_batch_size_per_gpu"] == 2
     assert config["gradient_accumulation_steps"] == 19
     assert config["train_batch_size"] == 38
@@ -109,3 +110,38 @@ def test_accumulation_counts_micro_steps_per_update():
     assert accumulation_steps(8, 2, 19) == 76
     with pytest.raises(ValueError):
         accumulation_steps(3, 2, 19)
+
+
+def test_accumulation_divides_the_rollout_into_equal_mini_batches_of_batched_transitions():
+    # 8 samples, micro batch 2 -> 4 chunks x 6 steps = 24 transitions; 2 per forward, 3 updates: 4 micro-steps each.
+    assert accumulation_steps(8, 2, 6, updates_per_rollout=3, transitions_per_micro_step=2) == 4
+    config = UpdateConfig(micro_batch_size=2, updates_per_rollout=3, transitions_per_micro_step=2)
+    assert config.accumulation_steps(8, 6) == 4
+    with pytest.raises(ValueError, match="updates_per_rollout=5"):
+        accumulation_steps(8, 2, 6, updates_per_rollout=5)
+    with pytest.raises(ValueError, match="transitions_per_micro_step=5"):
+        accumulation_steps(8, 2, 6, transitions_per_micro_step=5)
+
+
+@pytest.mark.parametrize("key, value", [("updates_per_rollout", 0), ("transitions_per_micro_step", 0),
+                                        ("ema_decay", 1.0), ("ema_decay", 0.0), ("ema_decay", float("nan"))])
+def test_throughput_options_out_of_range_are_refused(key, value):
+    with pytest.raises(ValueError, match=key):
+        UpdateConfig(**{key: value})
+
+
+def test_a_float32_ema_of_bf16_weights_moves_and_swaps_in_without_rounding_itself():
+    module = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    ema = Anchor.snapshot(module, dtype=torch.float32)
+    start = module.weight.detach().float().clone()
+    with torch.no_grad():
+        module.weight.add_(1.0)
+    for _ in range(3):
+        ema.blend(0.999)
+    expected = start + (1 - 0.999**3) * (module.weight.detach().float() - start)
+    torch.testing.assert_close(ema._saved[0], expected, rtol=0, atol=1e-6)  # a bf16 EMA would not have moved
+    policy, held = module.weight.detach().clone(), ema._saved[0].clone()
+    with ema.swapped_in():
+        assert torch.equal(module.weight, held.to(torch.bfloat16))
+    assert torch.equal(module.weight, policy)   # the policy is back exactly
+    assert torch.equal(ema._saved[0], held)     # and the float32 average was not rounded to bf16 by the swap

@@ -1,0 +1,70 @@
+"""Several updates per rollout, several transitions per forward and the EMA, on a real 1-process DeepSpeed engine
+(ZeRO-3 and ZeRO-2, gloo on CPU)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stages.update import RATIO_TOLERANCE
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+WORKER = Path(__file__).with_name("throughput_worker.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=["zero3", "zero2"])
+def report(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--nnodes=1",
+               f"--master-port={_free_port()}", str(WORKER), "--out", str(out), "--deepspeed-config", request.param]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return json.loads((out / f"report_{request.param}.json").read_text())
+
+
+def test_one_update_per_rollout_is_exactly_on_policy(report):
+    one = report["one"]
+    assert one["ratio_min"] == 1.0 and one["ratio_max"] == 1.0 and one["clip_fraction"] == 0.0
+    assert one["updates_done"] == 1 and one["micro_steps_per_update"] == 12
+
+
+def test_the_second_update_on_a_rollout_moves_the_ratio_and_the_clip_and_velocity_kl_act(report):
+    two = report["two_updates"]
+    assert two["updates_done"] == 2 and two["micro_steps_per_update"] == 6
+    # Only the second update can leave 1 (the first is on-policy, above): it did, past the clip range.
+    assert max(two["ratio_max"] - 1, 1 - two["ratio_min"]) > 1e-4
+    assert two["clip_fraction"] > 0
+    assert two["velocity_kl"] > 0   # the lagged policy is the first update's start, the policy moved since
+
+
+def test_batched_transitions_stay_on_policy_within_the_tolerance_and_give_the_same_loss(report):
+    batched, one = report["three_per_forward"], report["one"]
+    assert batched["micro_steps_per_update"] == 4
+    assert max(batched["ratio_max"] - 1, 1 - batched["ratio_min"]) <= RATIO_TOLERANCE
+    assert batched["clip_fraction"] == 0.0
+    # Each micro-step's loss is the mean over its 3 transitions: the same objective, so the same gradient (its norm
+    # before clipping, which DeepSpeed reports) to float precision.
+    assert batched["grad_norm"] > 0
+    assert batched["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+
+
+def test_the_ema_follows_its_formula_swaps_in_and_out_and_resumes_bit_identically(report):
+    ema = report["ema"]
+    assert ema["ema_formula_error"] < 1e-6
+    assert ema["ema_moved"] > 1e-4                 # it is not the policy
+    assert ema["policy_restored_after_swap"]
+    assert ema["resume_weights_identical"] and ema["resume_ema_identical"]
