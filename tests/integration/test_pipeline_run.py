@@ -70,10 +70,16 @@ def test_demo_two_processes_under_the_deepspeed_launcher(mlflow_server, tmp_path
     command = [str(REPO / ".venv" / "bin" / "deepspeed") if (REPO / ".venv/bin/deepspeed").exists() else "deepspeed",
                "--num_gpus", "2", "--master_port", str(free_port()), "--module", "pipeline.cli", "run", str(DEMO),
                f"run.output_dir={tmp_path}", *SHORT, "run.max_iterations=2",
-               f"tracking.tracking_uri={mlflow_server.url}", "tracking.experiment=two-ranks"]
+               f"tracking.tracking_uri={mlflow_server.url}", "tracking.experiment=two-ranks",
+               "registry.model_name=two-rank-policy", "registry.promote=true"]
     result = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
     run = _check_tracked_run(mlflow_server.url, "two-ranks", 2)
+    # Full fine-tuning + registry on 2 ranks ends well: the transformer consolidated from both ranks' ZeRO-3 shards
+    # is exported, registered and (first version) promoted.
+    champion = MlflowClient(mlflow_server.url).get_model_version_by_alias("two-rank-policy", "champion")
+    assert champion.run_id == run.info.run_id
+    assert (tmp_path / "exports" / "step-2" / "diffusion_pytorch_model.safetensors").exists()
     manifest = (tmp_path / "checkpoints" / "step-2" / "manifest.json").read_text()
     assert '"world_size": 2' in manifest or '"world_size":2' in manifest
     assert run.data.metrics["samples_per_second"] > 0
