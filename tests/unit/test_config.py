@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_run_config
 from core.errors import UserError
+from pipeline.config import load_run_config
 
 pytestmark = pytest.mark.unit
 

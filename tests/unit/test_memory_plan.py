@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
-from pipeline import memory_plan
 from core.errors import UserError
 from core.lora import LoraConfig
+from pipeline import memory_plan
 
 pytestmark = pytest.mark.unit
 
