@@ -38,7 +38,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from core import distributed, sde
+from core import distributed, flops, sde
 from core.errors import UserError
 from core.grpo import (
     AdaptiveKLController,
@@ -519,6 +519,20 @@ class Updater:
         for transition in self._transitions(rollout) if transitions is None else transitions:
             yield self._micro_step(rollout, advantages, weights, transition)
 
+    def iteration_flops(self, rollout) -> float:
+        """Model FLOPs of one iteration on this rank (``core.flops``): the rollout's forwards, then per trained
+        transition the policy's forward and backward (3 forwards) and the anchor and lagged forwards."""
+        forward = model_forward_flops(self.engine.module, self.adapter)
+        references = (self.anchor is not None) + (self.lagged is not None)
+        generated = rollout.num_samples * len(rollout.step_etas)
+        trained = rollout.num_samples * int(rollout.trained_steps.sum())
+        return forward * (generated + trained * (3 + references))
+
+    def mfu(self, rollout, seconds: float) -> float | None:
+        """Estimated model FLOPs utilisation of an iteration that took ``seconds``; None off a known GPU."""
+        peak = flops.peak_flops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+        return None if peak is None else flops.mfu(self.iteration_flops(rollout), seconds, peak)
+
     @contextmanager
     def ema_swapped_in(self):
         """Within the block the policy module computes with the EMA weights (no-grad use only: evaluation, sampling,
@@ -654,6 +668,21 @@ class Updater:
 # ----------------------------------------------------------------------------------------------------------------
 # Diagnostics
 # ----------------------------------------------------------------------------------------------------------------
+
+
+def model_forward_flops(module: torch.nn.Module, adapter) -> float:
+    """FLOPs of one transformer call on one sample: its video tokens (latent size over the patch size) through
+    ``core.flops.forward_flops_per_token``, twice with CFG (both branches run). Text tokens are left out: they are a
+    few hundred against tens of thousands of video tokens at the paper's size."""
+    config = getattr(module, "config", None) or {}
+    patch, patch_t = config.get("patch_size", 1), config.get("patch_size_t", 1)
+    _, frames, height, width = adapter.latent_shape()
+    tokens = (frames // patch_t) * (height // patch) * (width // patch)
+    layers = config.get("num_layers", 0) + config.get("num_single_layers", 0)
+    # Under ZeRO-3 a parameter's local tensor is empty; ds_numel is its whole size.
+    parameters = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+    branches = 2 if getattr(adapter, "cfg_enabled", False) else 1
+    return branches * tokens * flops.forward_flops_per_token(parameters, layers, _hidden_size(module) or 0, tokens)
 
 
 def timestep_weights(rollout, *, equalize: bool) -> torch.Tensor:
