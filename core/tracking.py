@@ -370,6 +370,7 @@ class Tracker:
         if self._in_outage:
             log.warning("MLflow tracking at %s answers again; buffered metrics sent", self._safe_uri)
             self._in_outage = False
+        self._revive_system_metrics()
 
     def _open_run(self) -> None:
         if self.run_id is None:
@@ -380,13 +381,22 @@ class Tracker:
             self._log_params()
             self._params_logged = True
 
+    def _revive_system_metrics(self) -> None:
+        # MLflow's monitor ends its thread for good after one failed request (an outage between two iterations is
+        # enough); the server answers now, so a new monitor takes over. MLflow has no public "is it running".
+        monitor = self._system_metrics
+        if monitor is not None and (monitor._process is None or not monitor._process.is_alive()):
+            self._start_system_metrics()
+
     def _start_system_metrics(self) -> None:
         if not self.config.system_metrics:
             return
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-        # resume_logging: a continued run's system metrics go on from its last step instead of restarting at 0.
-        # The monitor stops by itself when it cannot reach the server (an outage) or the run is no longer RUNNING.
+        # resume_logging: a monitor taking over (after an outage, or in a resumed run) goes on from the run's last
+        # system-metrics step instead of logging over step 0 again.
+        if self._system_metrics is not None:
+            self._system_metrics.finish()
         self._system_metrics = SystemMetricsMonitor(
             self.run_id, sampling_interval=self.config.system_metrics_interval_s, resume_logging=True,
             tracking_uri=self.tracking_uri)

@@ -163,3 +163,20 @@ def test_eval_samples_reach_mlflow_as_a_frame_series_and_a_table(mlflow_server, 
     assert list(table["iteration"]) == [2, 2, 4, 4] and list(table["prompt"]) == ["a fox", "a cat"] * 2
     assert list(table["video"]) == ["eval/iteration-00002/eval_00.gif", "", "eval/iteration-00004/eval_00.gif", ""]
     assert table["reward"][0] == 0.4 and pd.isna(table["reward"][1])
+
+
+def test_system_metrics_go_on_after_an_outage(mlflow_server, tmp_path):
+    tracker = tracker_for(mlflow_server, tmp_path / "run", system_metrics_interval_s=0.3)
+    run_id = tracker.start({"seed": 1})
+    time.sleep(1.5)
+    mlflow_server.stop()
+    time.sleep(1.0)  # the monitor fails to reach the server and stops
+    mlflow_server.start()
+    back = time.time() * 1000
+    tracker.log_metrics({"loss": 1.0}, step=1)  # the tracker notices the server is back
+    time.sleep(2.0)
+    tracker.finish()
+    samples = MlflowClient(mlflow_server.url).get_metric_history(run_id, "system/cpu_utilization_percentage")
+    after = [m for m in samples if m.timestamp > back]
+    assert after, "no system metrics after the outage"
+    assert min(m.step for m in after) > max(m.step for m in samples if m.timestamp <= back)  # steps go on
