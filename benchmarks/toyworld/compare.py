@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -287,11 +288,12 @@ def main() -> None:
     base = Config() if args.iterations is None else Config(iterations=args.iterations)
     torch.set_num_threads(1)
     pretrained_adapter(base.pretrain, log_every=100)  # fit once here, not in every worker
-    start = time.perf_counter()
+    machine, start = report.machine(), time.perf_counter()
     results = run_all(_jobs(arms, args.seeds, base), args.jobs)
     saved = {"profile": profile, "arms": arms, "seeds": args.seeds, "jobs": args.jobs,
              "command": "python -m benchmarks.toyworld.compare " + " ".join(_argv()),
-             "wall_s": time.perf_counter() - start, "machine": report.machine(), "runs": results}
+             "wall_s": time.perf_counter() - start, "machine": machine | {"load_average_at_end": list(os.getloadavg())},
+             "runs": results}
     report.write(saved, args.out, args.results_md)
 
 

@@ -217,10 +217,14 @@ def _cell(stat: dict, name: str, digits: int, seeds: int) -> str:
     return _pm(stat, digits)
 
 
-def table(summary: dict, arms: list[str]) -> str | None:
-    present = [arm for arm in arms if arm in summary]
-    if not present:
-        return None
+def present_groups(summary: dict) -> dict[str, list[str]]:
+    """The questions this sweep can answer (two or more of their arms ran); the default alone when none can."""
+    groups = {title: [arm for arm in arms if arm in summary] for title, arms in GROUPS.items()}
+    groups = {title: arms for title, arms in groups.items() if len(arms) >= 2}
+    return groups or {"Learning default": [arm for arm in summary if arm == "default"] or list(summary)}
+
+
+def table(summary: dict, present: list[str]) -> str:
     header = ["arm", "seeds"] + [name for name, _ in COLUMNS]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for arm in present:
@@ -236,8 +240,7 @@ def plot(runs: list[dict], summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = {title: [a for a in arms if a in summary] for title, arms in GROUPS.items()}
-    groups = {title: arms for title, arms in groups.items() if arms}
+    groups = present_groups(summary)
     figure, axes = plt.subplots(2, len(groups), figsize=(4.5 * len(groups), 7), squeeze=False)
     for column, (title, arms) in enumerate(groups.items()):
         for arm in arms:
@@ -280,7 +283,7 @@ def markdown(saved: dict, summary: dict, claims: list[dict], data: Path, figure:
         f"{config['iterations']} iterations each, {saved['jobs']} run(s) in parallel): total wall time "
         f"**{saved['wall_s'] / 60:.1f} min** on {saved['machine']['cpus']} CPU cores"
         + (f" (load average {load[0]:.1f} at the start, shared with other jobs)" if load else "") + ", torch "
-        f"{saved['machine']['torch']}, 1 thread per run. Command:",
+        f"{saved['machine']['torch']}, 1 thread per run{_load_note(saved['machine'])}. Command:",
         "",
         f"    {saved['command']}",
         "",
@@ -312,6 +315,9 @@ def markdown(saved: dict, summary: dict, claims: list[dict], data: Path, figure:
         f"rollout and update only). Verdicts: an arm beats another when the difference of means exceeds "
         f"{COMPARISON_Z:g} standard errors of the difference; the learning claim needs {LEARNING_Z:g}.",
         "",
+        *([] if saved["profile"] == "full" else [
+            "**This is not the full sweep**: most claims below are not run. The full sweep (every arm x 3 seeds) is "
+            "`python -m benchmarks.toyworld.compare --jobs 2`.", ""]),
         "### Verdicts",
         "",
         "| claim | verdict | evidence |",
@@ -322,12 +328,15 @@ def markdown(saved: dict, summary: dict, claims: list[dict], data: Path, figure:
     skipped = [c["claim"] for c in claims if c["verdict"] == "not run"]
     if skipped:
         lines += [f"Not run in this profile (their arms are missing): {'; '.join(skipped)}.", ""]
-    for title, arms in GROUPS.items():
-        rendered = table(summary, arms)
-        if rendered:
-            lines += [f"### {title}", "", rendered, ""]
+    for title, arms in present_groups(summary).items():
+        lines += [f"### {title}", "", table(summary, arms), ""]
     lines.append(END)
     return "\n".join(lines)
+
+
+def _load_note(machine_info: dict) -> str:
+    end = machine_info.get("load_average_at_end")
+    return f"; load average {end[1]:.1f} over the last 5 min of the sweep" if end else ""
 
 
 def replace_section(text: str, section: str) -> str:

@@ -71,7 +71,8 @@ def test_drift_is_zero_on_the_manifold_and_large_for_noise():
 
 @pytest.mark.slow
 def test_the_learning_default_moves_the_rewarded_dimensions_up():
-    """About 60-90 s once the default pretraining is cached (fitting it first takes ~4 min, once per machine; the
+    """About 60-90 s on 2 free cores once the default pretraining is cached (250 s measured at load average 9;
+    fitting the pretraining first takes ~4 min, once per machine; the
     150-step quick pretraining gives a model too poor to learn from, reward 0.12). Ten iterations of the learning
     default (SAGE, dual trust region, 16 captions x 8 samples, high-noise half, lr 1e-4): the ODE evaluation's colour
     alignment and motion quality rise. The Setting B total needs ~30 iterations to clear its early dip (VQ falls
