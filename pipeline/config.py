@@ -21,7 +21,7 @@ from stages.evaluate import EvalConfig
 from stages.ingest import DataConfig
 from stages.rollout import RolloutConfig, SDEConfig
 from stages.score import ScoringConfig
-from stages.update import DeepSpeedConfig, TrustRegionConfig, UpdateConfig, accumulation_steps, deepspeed_config
+from stages.update import DeepSpeedConfig, TrustRegionConfig, UpdateConfig, deepspeed_config
 
 
 class _Section(BaseModel):
@@ -75,7 +75,7 @@ class RunConfig(_Section):
         trained = int(self.sde.trained_steps_mask().sum())
         # The JSON against this run's values (the world size is checked when the engine is built).
         deepspeed_config(self.deepspeed.config, micro_batch_size=self.update.micro_batch_size,
-                         accumulation_steps=accumulation_steps(samples, self.update.micro_batch_size, trained),
+                         accumulation_steps=self.update.accumulation_steps(samples, trained),
                          max_grad_norm=self.update.max_grad_norm, bf16=self.deepspeed.use_bf16())
         return self
 

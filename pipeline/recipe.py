@@ -42,7 +42,7 @@ from stages import evaluate as evaluation
 from stages.ingest import CachedEmbeddings, EmbeddingCache, PromptSampler, ingest
 from stages.rollout import SDEConfig, generate
 from stages.score import Scorer, reward_metrics
-from stages.update import Updater, accumulation_steps, build_engine, compute_advantages
+from stages.update import Updater, build_engine, compute_advantages
 
 logger = logging.getLogger(__name__)
 
@@ -379,7 +379,7 @@ def build_policy(config: RunConfig) -> Policy:
     trained = int(config.sde.trained_steps_mask().sum())
     samples = config.rollout.prompts_per_rank * config.rollout.group_size
     engine = build_engine(adapter.transformer, config.update,
-                          accumulation_steps=accumulation_steps(samples, config.update.micro_batch_size, trained),
+                          accumulation_steps=config.update.accumulation_steps(samples, trained),
                           deepspeed_config_name=config.deepspeed.config, bf16=config.deepspeed.use_bf16())
     return Policy(adapter, engine, Updater(engine, adapter, config.update, config.trust_region))
 
