@@ -607,8 +607,21 @@ class Updater:
         return 0
 
     def _metrics(self, totals: _Totals, weights, rollout, skipped: int) -> dict[str, float]:
-        metrics = distributed.all_reduce_mean(totals.means())
-        metrics["ratio_min"], metrics["ratio_max"] = totals.ratio_min, totals.ratio_max
+        means = totals.means()
+        reused = self.config.updates_per_rollout > 1
+        if not reused:
+            # One update per rollout: every micro-step scores the rollout's own transitions with the weights that
+            # sampled them (the optimizer applies only at the end), so the ratio is 1 and nothing is clipped. Logged,
+            # ratio_mean == 1 and clip_fraction == 0 read like a bug; what can differ is whether the training forward
+            # reproduces the rollout's log-probs (0 on CPU in float32; bf16 or a batched forward leave rounding), so
+            # that is logged instead. Clipping acts only where it exceeds clip_range (log(1 + eps) ~ eps).
+            means.pop("ratio_mean", None)
+            means.pop("clip_fraction", None)
+        metrics = distributed.all_reduce_mean(means)
+        if reused:
+            metrics["ratio_min"], metrics["ratio_max"] = totals.ratio_min, totals.ratio_max
+        else:  # this rank's largest |log pi_train - log pi_rollout| over the update
+            metrics["logprob_mismatch"] = max(_log_distance(totals.ratio_min), _log_distance(totals.ratio_max))
         if totals.kl_grad_ratio is not None:
             metrics["kl_grad_ratio"] = distributed.all_reduce_mean({"r": totals.kl_grad_ratio})["r"]
         metrics["lambda_kl"] = self.controller.value
@@ -663,6 +676,11 @@ class Updater:
             self.ema.load_resharded_state_dict([state["ema"] for state in states], rank, world)
         elif self.ema is not None:
             self._load_ema(None)
+
+
+def _log_distance(ratio: float) -> float:
+    """|log ratio|; inf for a ratio that underflowed to 0."""
+    return math.inf if ratio == 0 else abs(math.log(ratio))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ def _check_tracked_run(tracking_uri: str, experiment: str, iterations: int):
     assert run.data.params["sde.variant"] == "sage" and run.data.params["rollout.group_size"] == "2"
     rewards = client.get_metric_history(run.info.run_id, "reward/mean")
     assert sorted(m.step for m in rewards) == list(range(1, iterations + 1))
-    for key in ("update/grad_norm", "update/lambda_kl", "update/clip_fraction", "reward/brightness/mean",
+    for key in ("update/grad_norm", "update/lambda_kl", "update/logprob_mismatch", "reward/brightness/mean",
                 "time/rollout", "eval/reward", "advantage/abs_mean"):
         assert key in run.data.metrics, key
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
