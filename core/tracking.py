@@ -261,8 +261,12 @@ class Tracker:
             return
         report = prompt_set.report
         counts = {"kept": report.kept, **{f"skipped.{kind}": n for kind, n in report.counts.items()}}
-        inputs = [_dataset_input(prompts, source, context, counts)
-                  for prompts, context in ((prompt_set.train, "training"), (prompt_set.eval, "evaluation")) if prompts]
+        try:
+            inputs = [_dataset_input(prompts, source, context, counts) for prompts, context in
+                      ((prompt_set.train, "training"), (prompt_set.eval, "evaluation")) if prompts]
+        except Exception as error:  # noqa: BLE001 - MLflow's profiling of odd metadata must never stop training
+            log.warning("prompt set not logged to MLflow: %s", _first_line(error))
+            return
         self._upload("prompt set", lambda: self._client.log_inputs(self.run_id, datasets=inputs))
 
     def log_image(self, image: Any, key: str, step: int) -> None:

@@ -180,3 +180,15 @@ def test_system_metrics_go_on_after_an_outage(mlflow_server, tmp_path):
     after = [m for m in samples if m.timestamp > back]
     assert after, "no system metrics after the outage"
     assert min(m.step for m in after) > max(m.step for m in samples if m.timestamp <= back)  # steps go on
+
+
+def test_a_prompt_set_with_mixed_metadata_still_logs(mlflow_server, tmp_path):
+    report = IngestReport(kept=3)
+    prompts = [Prompt("a", {"tags": ["x", "y"], "n": 1}, 1), Prompt("b", {"style": None}, 2),
+               Prompt("c", {"n": "s"}, 3)]
+    tracker = tracker_for(mlflow_server, tmp_path / "run", system_metrics=False)
+    run_id = tracker.start({"seed": 1})
+    tracker.log_prompt_set(PromptSet(train=prompts, eval=[], report=report), "/data/prompts.jsonl")
+    tracker.finish()
+    (logged,) = MlflowClient(mlflow_server.url).get_run(run_id).inputs.dataset_inputs
+    assert '"num_rows": 3' in logged.dataset.profile and logged.dataset.name == "prompts.jsonl"
