@@ -99,6 +99,7 @@ class SageGRPORecipe:
     def __init__(self, config: RunConfig):
         self.config = config
         self.progress = Progress()
+        self.last_batch = None  # the last iteration's (videos, groups, rewards, advantages), on rank 0, for plots
 
     # ------------------------------------------------------------------------------------------------------------
     # Setup
@@ -133,6 +134,8 @@ class SageGRPORecipe:
         if distributed.is_main():
             self.progress.mlflow_run_id = self.tracker.start(config, run_id=self.progress.mlflow_run_id,
                                                              identity=self.checkpointer.run_id)
+            self.tracker.describe(tags=self._run_tags(), params=self._derived_params())
+            self.tracker.log_prompt_set(self.prompt_set, config.data.source)
         # Iterations past the restored one are re-executed (identically): neither MLflow nor the audit repeats them.
         self.logged_through = self.tracker.logged_through("iteration") if distributed.is_main() else 0
         self.audit = Audit(config.output_dir / "audit" / f"rank-{distributed.rank()}.jsonl")
@@ -140,18 +143,33 @@ class SageGRPORecipe:
         if distributed.is_main():
             logger.info("%s", self.header())
 
+    def _run_tags(self) -> dict[str, str]:
+        config = self.config
+        return {"model": config.model.pretrained or config.model.name, "sampler": config.sde.variant,
+                "trust_region.strategy": config.trust_region.strategy.value,
+                "trust_region.preset": config.trust_region.preset,
+                "finetuning": "lora" if config.lora.enabled else "full"}
+
+    def _derived_params(self) -> dict[str, int]:
+        """What the config implies at this scale: the numbers a comparison between runs needs."""
+        config, module = self.config, self.policy.engine.module
+        samples = config.rollout.prompts_per_rank * config.rollout.group_size
+        return {"derived.world_size": distributed.world_size(),
+                "derived.effective_batch": samples * distributed.world_size(),
+                "derived.trainable_parameters": sum(_numel(p) for p in module.parameters() if p.requires_grad),
+                "derived.total_parameters": sum(_numel(p) for p in module.parameters()),
+                "derived.trained_steps": int(config.sde.trained_steps_mask().sum())}
+
     def header(self) -> str:
         """What a person checks before walking away from a run: scale, batch, what trains, how long."""
-        config, module = self.config, self.policy.engine.module
-        trainable = sum(_numel(p) for p in module.parameters() if p.requires_grad)
-        total = sum(_numel(p) for p in module.parameters())
+        config, derived = self.config, self._derived_params()
         samples = config.rollout.prompts_per_rank * config.rollout.group_size
-        trained = int(config.sde.trained_steps_mask().sum())
         start = f"resuming after iteration {self.progress.iteration}" if self.progress.iteration else "from the start"
         return (f"run {config.run.name}: {distributed.world_size()} rank(s) x {samples} samples "
                 f"({config.rollout.prompts_per_rank} prompts x G={config.rollout.group_size}) = "
-                f"{samples * distributed.world_size()} videos per iteration; {trained} of {config.sde.steps} steps "
-                f"trained; {trainable:,} of {total:,} parameters trainable "
+                f"{derived['derived.effective_batch']} videos per iteration; {derived['derived.trained_steps']} of "
+                f"{config.sde.steps} steps trained; {derived['derived.trainable_parameters']:,} of "
+                f"{derived['derived.total_parameters']:,} parameters trainable "
                 f"({'LoRA' if config.lora.enabled else 'full'}); iterations {self.progress.iteration + 1}.."
                 f"{config.run.max_iterations} ({start})")
 
@@ -242,6 +260,9 @@ class SageGRPORecipe:
 
         advantages = compute_advantages(scored.total, rollout.group_ids, config.update)
         update_metrics = policy.updater.update(rollout, advantages)
+        if distributed.is_main():
+            self.last_batch = (rollout.videos, rollout.group_ids.tolist(), list(scored.total),
+                               advantages.values.tolist())
         timings["time/update"] = time.perf_counter() - clock
         self.progress.iteration += 1
 
@@ -282,8 +303,10 @@ class SageGRPORecipe:
                                      write_videos=self.config.eval.write_videos, write=distributed.is_main(),
                                      embeddings=self.embeddings(self.eval_prompts),
                                      prompt_metadata=self.eval_metadata)
+        artifact_dir = f"eval/iteration-{iteration:05d}"
         for video in result.videos:
-            self.tracker.log_artifact(video, f"eval/iteration-{iteration:05d}")
+            self.tracker.log_artifact(video, artifact_dir)
+        evaluation.log_samples(self.tracker, result, iteration, artifact_dir)
         metrics = distributed.broadcast_from_main(result.metrics)
         self.progress.last_eval = metrics | {"iteration": iteration}
         return metrics
@@ -319,14 +342,27 @@ class SageGRPORecipe:
         export_dir = self.publish() if status == "completed" else None
         if distributed.is_main():
             self.tracker.set_tag("weights_sha256", fingerprint)
-            curve = evaluation.plot_reward_curves(self.progress.history,
-                                                  self.config.output_dir / "plots" / "reward_curves.png")
-            self.tracker.log_artifact(curve, "plots")
+            self.tracker.log_artifact(self._plots(), "plots")
             self.tracker.log_artifact(self.config.output_dir / "config.json")
             self.tracker.finish("KILLED" if status == "preempted" else "FINISHED")
         return RunSummary(status, self.progress.iteration, self.config.output_dir, self.checkpointer.uri,
                           self.tracker.tracking_uri if distributed.is_main() else None, self.progress.mlflow_run_id,
                           self.progress.history, export_dir)
+
+    def _plots(self) -> Path:
+        """The run's plots as PNG files: reward curves, S_t per step, KL against lambda, and the last iteration's
+        reward spread per group and sample grid."""
+        plots, sde = self.config.output_dir / "plots", self.config.sde
+        evaluation.plot_reward_curves(self.progress.history, plots / "reward_curves.png")
+        evaluation.plot_step_weights(sde, plots / "step_weights.png",
+                                     sigmas=self.policy.adapter.sigma_schedule(sde.steps, sde.shift).cpu())
+        evaluation.plot_kl_and_lambda(self.progress.history, plots / "kl_lambda.png",
+                                      kl_target=self.config.trust_region.kl_target)
+        if self.last_batch is not None:
+            videos, groups, rewards, advantages = self.last_batch
+            evaluation.plot_group_rewards(rewards, groups, plots / "group_rewards.png", self.progress.iteration)
+            evaluation.plot_sample_grid(videos, groups, rewards, advantages, plots / "samples.png")
+        return plots
 
     def publish(self) -> Path:
         """Export the policy in the diffusers format (always); with ``registry.model_name``, register the export as
