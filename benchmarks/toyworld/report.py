@@ -327,7 +327,7 @@ def markdown(saved: dict, summary: dict, claims: list[dict], data: Path, figure:
     ]
     skipped = [c["claim"] for c in claims if c["verdict"] == "not run"]
     if skipped:
-        lines += [f"Not run in this profile (their arms are missing): {'; '.join(skipped)}.", ""]
+        lines += [f"Not run in this profile (arms missing, or too few seeds): {'; '.join(skipped)}.", ""]
     for title, arms in present_groups(summary).items():
         lines += [f"### {title}", "", table(summary, arms), ""]
     lines.append(END)
