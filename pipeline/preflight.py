@@ -129,7 +129,10 @@ def on_policy_check(metrics: dict[str, float]) -> Check:
 def kl_ratio_check(metrics: dict[str, float], config: RunConfig) -> Check:
     if config.trust_region.strategy == "none":
         return Check("trust region acts", None, "trust_region.strategy is none")
-    ratio = metrics.get("update/kl_grad_ratio", float("nan"))
+    if "update/kl_grad_ratio" not in metrics:
+        return Check("trust region acts", None, "measured only under ZeRO-3 (DeepSpeed's gradient hooks): run "
+                                                "preflight with a ZeRO-3 config, the ratio does not depend on it")
+    ratio = metrics["update/kl_grad_ratio"]
     if math.isnan(ratio) and distributed.world_size() > 1 and not config.lora.enabled:
         # torch.autograd.grad sees zeros for parameters ZeRO-3 partitions across ranks (stages/update.py).
         return Check("trust region acts", None, "not measurable for full fine-tuning on several ranks: run "

@@ -34,7 +34,6 @@ from core.errors import RETRYABLE_EXIT_CODE, UserError
 from core.files import atomic_write_text
 from core.lora import add_lora
 from core.models import build_adapter
-from core.rewards.base import VideoBatch
 from core.tracking import Tracker, masked_config
 from pipeline.checkpointer import Checkpointer, RNGState
 from pipeline.config import RunConfig
@@ -249,13 +248,18 @@ class SageGRPORecipe:
         prompt_ids = next(self.sampler)
         self.audit.write({"iteration": self.progress.iteration + 1, "prompt_ids": prompt_ids})
         batch_prompts = [self.train_prompts[i] for i in prompt_ids]
-        rollout = generate(policy.adapter, batch_prompts, config.rollout.group_size, config.sde,
-                           iteration_seed(config.seed, self.progress.iteration), prompt_ids=prompt_ids,
-                           batch_size=config.update.micro_batch_size, embeddings=self.embeddings(batch_prompts))
-        timings["time/rollout"], clock = time.perf_counter() - clock, time.perf_counter()
-
-        scored = self.scorer.score(VideoBatch.from_tensor(rollout.videos, policy.adapter.fps), rollout.sample_prompts,
-                                   self.prompt_set.metadata_for(rollout.group_ids))
+        group_size = config.rollout.group_size
+        sample_prompts = [prompt for prompt in batch_prompts for _ in range(group_size)]
+        sample_metadata = self.prompt_set.metadata_for([i for i in prompt_ids for _ in range(group_size)])
+        # Batch i is scored in a worker thread while batch i+1 is generated; the scores feed this iteration's update
+        # only, so the overlap keeps the step on-policy. time/score is the scoring the rollout did not hide.
+        with self.scorer.overlapped(sample_prompts, sample_metadata, fps=policy.adapter.fps) as sink:
+            rollout = generate(policy.adapter, batch_prompts, group_size, config.sde,
+                               iteration_seed(config.seed, self.progress.iteration), prompt_ids=prompt_ids,
+                               batch_size=config.update.micro_batch_size, embeddings=self.embeddings(batch_prompts),
+                               on_batch=sink.submit)
+            timings["time/rollout"], clock = time.perf_counter() - clock, time.perf_counter()
+            scored = sink.result()
         timings["time/score"], clock = time.perf_counter() - clock, time.perf_counter()
 
         advantages = compute_advantages(scored.total, rollout.group_ids, config.update)
@@ -265,6 +269,9 @@ class SageGRPORecipe:
                                advantages.values.tolist())
         timings["time/update"] = time.perf_counter() - clock
         self.progress.iteration += 1
+        mfu = policy.updater.mfu(rollout, sum(timings.values()))  # None off a GPU of known peak
+        if mfu is not None:
+            timings["mfu"] = mfu
 
         metrics = reward_metrics(scored) | {f"update/{k}": v for k, v in update_metrics.items()}
         metrics |= distributed.all_reduce_mean({
@@ -273,7 +280,8 @@ class SageGRPORecipe:
             "advantage/valid_fraction": float(advantages.valid.float().mean()),
             **timings,
         })
-        metrics["samples_per_second"] = rollout.num_samples * distributed.world_size() / sum(timings.values())
+        seconds = sum(value for key, value in timings.items() if key.startswith("time/"))
+        metrics["samples_per_second"] = rollout.num_samples * distributed.world_size() / seconds
         return metrics
 
     def _record(self, metrics: dict[str, float]) -> None:
@@ -297,12 +305,13 @@ class SageGRPORecipe:
         extra metric; videos written under ``eval/iteration-N`` and logged."""
         iteration = self.progress.iteration
         out_dir = self.config.output_dir / "eval" / f"iteration-{iteration:05d}"
-        result = evaluation.evaluate(self.policy.adapter, self.eval_prompts, self.config.sde, self.eval_scorer,
-                                     seed=self.config.eval.seed, out_dir=out_dir,
-                                     batch_size=self.config.update.micro_batch_size,
-                                     write_videos=self.config.eval.write_videos, write=distributed.is_main(),
-                                     embeddings=self.embeddings(self.eval_prompts),
-                                     prompt_metadata=self.eval_metadata)
+        with self.policy.updater.ema_swapped_in():  # the EMA weights when update.ema_decay is set
+            result = evaluation.evaluate(self.policy.adapter, self.eval_prompts, self.config.sde, self.eval_scorer,
+                                         seed=self.config.eval.seed, out_dir=out_dir,
+                                         batch_size=self.config.update.micro_batch_size,
+                                         write_videos=self.config.eval.write_videos, write=distributed.is_main(),
+                                         embeddings=self.embeddings(self.eval_prompts),
+                                         prompt_metadata=self.eval_metadata)
         artifact_dir = f"eval/iteration-{iteration:05d}"
         for video in result.videos:
             self.tracker.log_artifact(video, artifact_dir)
@@ -328,8 +337,9 @@ class SageGRPORecipe:
         from core import export
 
         model = self.config.model
-        export.export_policy(self.policy.engine, out_dir,
-                             model=export.model_record(model.name, pretrained=model.pretrained, kwargs=model.kwargs))
+        with self.policy.updater.ema_swapped_in():  # the EMA weights when update.ema_decay is set
+            export.export_policy(self.policy.engine, out_dir, model=export.model_record(
+                model.name, pretrained=model.pretrained, kwargs=model.kwargs))
         return out_dir
 
     # ------------------------------------------------------------------------------------------------------------

@@ -545,7 +545,11 @@ class Updater:
 
     def _ratio_due(self) -> bool:
         every = self.trust_config.kl_grad_ratio_every
-        return bool(every) and self.trust.strategy is not KLStrategy.NONE and self.updates_done % every == 0
+        # Below ZeRO-3, DeepSpeed's backward hooks fire inside a separate torch.autograd.grad pass and fail (stage 0:
+        # "direct backward not supported", 1/2: reduce_ipg_grads): there the ratio is not measured (no metric).
+        measurable = self.engine.zero_optimization_stage() == 3
+        return bool(every) and measurable and self.trust.strategy is not KLStrategy.NONE and \
+            self.updates_done % every == 0
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.engine.module.parameters() if p.requires_grad]
