@@ -58,9 +58,20 @@ def compute_bound_hunyuan15():
     adapter = tiny_hunyuan15(seed=0, height=64, width=64, num_frames=5)
     torch.manual_seed(0)
     transformer = HunyuanVideo15Transformer3DModel(
-        in_channels=9, out_channels=4, num_attention_heads=4, attention_head_dim=32, num_layers=2,
-        num_refiner_layers=1, mlp_ratio=4.0, text_embed_dim=16, text_embed_2_dim=32, image_embed_dim=12,
-        rope_axes_dim=(8, 12, 12), target_size=16, task_type="t2v")
+        in_channels=9,
+        out_channels=4,
+        num_attention_heads=4,
+        attention_head_dim=32,
+        num_layers=2,
+        num_refiner_layers=1,
+        mlp_ratio=4.0,
+        text_embed_dim=16,
+        text_embed_2_dim=32,
+        image_embed_dim=12,
+        rope_axes_dim=(8, 12, 12),
+        target_size=16,
+        task_type="t2v",
+    )
     adapter.pipeline.transformer = adapter.transformer = transformer.eval()
     return adapter
 
@@ -87,16 +98,27 @@ def _trainable(size: Size):
 
 def _updater(adapter, rollout, strategy: str = "dual", deepspeed_config: str = "zero3") -> Updater:
     config = UpdateConfig(learning_rate=1e-5, micro_batch_size=rollout.num_samples)
-    engine = build_engine(adapter.transformer, config, deepspeed_config_name=deepspeed_config,
-                          accumulation_steps=config.accumulation_steps(rollout.num_samples,
-                                                                      int(rollout.trained_steps.sum())))
+    engine = build_engine(
+        adapter.transformer,
+        config,
+        deepspeed_config_name=deepspeed_config,
+        accumulation_steps=config.accumulation_steps(rollout.num_samples, int(rollout.trained_steps.sum())),
+    )
     # kl_grad_ratio off: its two extra backward passes every 10th update are a diagnostic, not the update's cost.
     return Updater(engine, adapter, config, TrustRegionConfig(strategy=strategy, kl_grad_ratio_every=0))
 
 
 def _rollout(adapter, sde_config: SDEConfig, decode: bool = False):
-    return generate(adapter, list(PROMPTS), GROUP, sde_config, seed=0, batch_size=len(PROMPTS) * GROUP,
-                    decode=decode, progress=False)
+    return generate(
+        adapter,
+        list(PROMPTS),
+        GROUP,
+        sde_config,
+        seed=0,
+        batch_size=len(PROMPTS) * GROUP,
+        decode=decode,
+        progress=False,
+    )
 
 
 def _advantages(rollout):
@@ -128,8 +150,9 @@ def bare_rollout(adapter, rollout):
     embeddings = rollout.sample_embeddings(torch.arange(rollout.num_samples))
     with torch.no_grad():
         for t in range(len(rollout.step_etas)):
-            adapter.predict_velocity(rollout.latents[:, t], rollout.sigmas[t].expand(rollout.num_samples).float(),
-                                     embeddings)
+            adapter.predict_velocity(
+                rollout.latents[:, t], rollout.sigmas[t].expand(rollout.num_samples).float(), embeddings
+            )
         adapter.decode(rollout.latents[:, -1])
 
 
@@ -142,8 +165,9 @@ def rollout_ratio(repeats: int) -> float:
     adapter = tiny_hunyuan15(guidance_scale=1.0)
     prompts = [f"a short video, number {i}" for i in range(4)]
     with torch.no_grad():
-        medians = median_seconds({"ours": ours(adapter, prompts, 20),
-                                  "diffusers": diffusers_pipeline(adapter, prompts, 20)}, repeats)
+        medians = median_seconds(
+            {"ours": ours(adapter, prompts, 20), "diffusers": diffusers_pipeline(adapter, prompts, 20)}, repeats
+        )
     return medians["ours"] / medians["diffusers"]
 
 
@@ -153,9 +177,13 @@ def update_ratio(size: Size, repeats: int, deepspeed_config: str) -> tuple[float
     updater = _updater(ours_adapter, rollout, deepspeed_config=deepspeed_config)
     optimizer = torch.optim.AdamW(bare_adapter.transformer.parameters(), lr=1e-5, foreach=False)
     advantages = _advantages(rollout)
-    medians = median_seconds({"ours": lambda: updater.update(rollout, advantages),
-                              "bare": lambda: bare_update(bare_adapter, rollout, optimizer, _references(updater))},
-                             repeats)
+    medians = median_seconds(
+        {
+            "ours": lambda: updater.update(rollout, advantages),
+            "bare": lambda: bare_update(bare_adapter, rollout, optimizer, _references(updater)),
+        },
+        repeats,
+    )
     return medians["ours"] / medians["bare"], medians["ours"], medians["bare"]
 
 
@@ -167,8 +195,11 @@ def batched_transitions_ratio(repeats: int) -> tuple[float, float, float]:
         adapter = _trainable(TINY)
         rollout = _rollout(adapter, TINY.sde)
         config = UpdateConfig(learning_rate=1e-5, micro_batch_size=rollout.num_samples, transitions_per_micro_step=k)
-        engine = build_engine(adapter.transformer, config, accumulation_steps=config.accumulation_steps(
-            rollout.num_samples, int(rollout.trained_steps.sum())))
+        engine = build_engine(
+            adapter.transformer,
+            config,
+            accumulation_steps=config.accumulation_steps(rollout.num_samples, int(rollout.trained_steps.sum())),
+        )
         updater = Updater(engine, adapter, config, TrustRegionConfig(kl_grad_ratio_every=0))
         run = lambda updater=updater, rollout=rollout: updater.update(rollout, _advantages(rollout))  # noqa: E731
         times[k] = median_seconds({"update": run}, repeats)["update"]
@@ -230,8 +261,10 @@ def overlap_ratio(repeats: int, samples: int = 8) -> dict[str, float]:
         return generate(adapter, prompts, GROUP, config, seed=0, batch_size=1, progress=False, on_batch=on_batch)
 
     rollout_s = median_seconds({"rollout": rollout}, repeats)["rollout"]
-    scorer = Scorer([RewardSpec(name="benchmarks.perf:SleepingReward",
-                                kwargs={"seconds_per_video": rollout_s / samples})], timeout_s=None)
+    scorer = Scorer(
+        [RewardSpec(name="benchmarks.perf:SleepingReward", kwargs={"seconds_per_video": rollout_s / samples})],
+        timeout_s=None,
+    )
 
     def sequential():
         generated = rollout()
@@ -266,8 +299,17 @@ def zero3_memory_ratio() -> tuple[float, dict, dict]:
     with tempfile.TemporaryDirectory() as out:
         for world in (1, 2):
             env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-            command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--nnodes=1",
-                       f"--master-port={distributed._free_port()}", str(worker), "--out", out]
+            command = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc-per-node={world}",
+                "--nnodes=1",
+                f"--master-port={distributed._free_port()}",
+                str(worker),
+                "--out",
+                out,
+            ]
             result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
             if result.returncode:
                 raise RuntimeError(f"memory worker failed with {world} ranks:\n{result.stderr[-4000:]}")
@@ -286,8 +328,11 @@ def report_update(repeats: int, size: Size = TINY) -> None:
     target = 1.3 if size is TINY else 1.10
     for name in ("zero3", "zero2"):
         ratio, ours_s, bare_s = update_ratio(size, repeats, name)
-        print(f"[{size.name}] update / bare (anchor + lagged fwd, policy fwd+bwd) ({name}, dual KL): {ratio:.3f}  "
-              f"(target <= {target}; {ours_s * 1000:.0f} ms vs {bare_s * 1000:.0f} ms)", flush=True)
+        print(
+            f"[{size.name}] update / bare (anchor + lagged fwd, policy fwd+bwd) ({name}, dual KL): {ratio:.3f}  "
+            f"(target <= {target}; {ours_s * 1000:.0f} ms vs {bare_s * 1000:.0f} ms)",
+            flush=True,
+        )
 
 
 def report_split(repeats: int, size: Size) -> None:
@@ -296,24 +341,33 @@ def report_split(repeats: int, size: Size) -> None:
         total = sum(v for k, v in stages.items() if k != "bare model")
         split = ", ".join(f"{k} {v * 1000:.0f} ms ({v / total:.0%})" for k, v in stages.items() if k != "bare model")
         target = "" if size is TINY else " (target <= 10%)"
-        print(f"[{size.name}] iteration split ({name}): {split}; share outside model compute {outside:.0%}{target} "
-              f"(bare model work {stages['bare model'] * 1000:.0f} ms of {total * 1000:.0f} ms)", flush=True)
+        print(
+            f"[{size.name}] iteration split ({name}): {split}; share outside model compute {outside:.0%}{target} "
+            f"(bare model work {stages['bare model'] * 1000:.0f} ms of {total * 1000:.0f} ms)",
+            flush=True,
+        )
 
 
 def report_overlap(repeats: int) -> None:
     times = overlap_ratio(repeats)
     ideal = max(times["rollout"], times["scoring"])
-    print(f"[tiny] overlapped scoring, reward as slow as the rollout ({times['rollout'] * 1000:.0f} ms each, "
-          "8 batches): "
-          f"overlapped / sequential {times['overlapped'] / times['sequential']:.3f} (ideal 0.5 + 1/16), overlapped / "
-          f"max(rollout, scoring) {times['overlapped'] / ideal:.3f} (ideal 1.125: the last batch's scoring; "
-          f"{times['overlapped'] * 1000:.0f} ms vs {times['sequential'] * 1000:.0f} ms)", flush=True)
+    print(
+        f"[tiny] overlapped scoring, reward as slow as the rollout ({times['rollout'] * 1000:.0f} ms each, "
+        "8 batches): "
+        f"overlapped / sequential {times['overlapped'] / times['sequential']:.3f} (ideal 0.5 + 1/16), overlapped / "
+        f"max(rollout, scoring) {times['overlapped'] / ideal:.3f} (ideal 1.125: the last batch's scoring; "
+        f"{times['overlapped'] * 1000:.0f} ms vs {times['sequential'] * 1000:.0f} ms)",
+        flush=True,
+    )
 
 
 def report_memory() -> None:
     memory, one, two = zero3_memory_ratio()
-    print(f"ZeRO-3 model-state bytes per rank, 2 ranks / 1 rank: {memory:.3f}  (target <= 0.55; "
-          f"1 rank {one}, 2 ranks {two})", flush=True)
+    print(
+        f"ZeRO-3 model-state bytes per rank, 2 ranks / 1 rank: {memory:.3f}  (target <= 0.55; "
+        f"1 rank {one}, 2 ranks {two})",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -323,24 +377,36 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     distributed.init()
-    print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, "
-          f"{'CUDA' if torch.cuda.is_available() else 'no GPU'}; 1 torch thread; {len(PROMPTS)} prompts x {GROUP} "
-          f"samples in one micro-batch, full fine-tuning; tiny: {TINY.sde.steps} SDE steps, compute-bound: "
-          f"{SIZES['compute'].sde.steps} ({TINY.sde.variant}); median of {args.repeats}", flush=True)
+    print(
+        f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, "
+        f"{'CUDA' if torch.cuda.is_available() else 'no GPU'}; 1 torch thread; {len(PROMPTS)} prompts x {GROUP} "
+        f"samples in one micro-batch, full fine-tuning; tiny: {TINY.sde.steps} SDE steps, compute-bound: "
+        f"{SIZES['compute'].sde.steps} ({TINY.sde.variant}); median of {args.repeats}",
+        flush=True,
+    )
     for key in args.sizes:
         report_update(args.repeats, SIZES[key])
         report_split(args.repeats, SIZES[key])
     if "tiny" in args.sizes:
-        print(f"[tiny] rollout / diffusers pipeline (20 steps, batch 4): {rollout_ratio(args.repeats):.3f}  "
-              "(target <= 1.05)", flush=True)
+        print(
+            f"[tiny] rollout / diffusers pipeline (20 steps, batch 4): {rollout_ratio(args.repeats):.3f}  "
+            "(target <= 1.05)",
+            flush=True,
+        )
         report_overlap(args.repeats)
         ratio, batched, single = batched_transitions_ratio(args.repeats)
-        print(f"[tiny] update with all {TINY.sde.steps - 1} trained steps in one forward / one step per forward "
-              f"(zero3): {ratio:.3f}  ({batched * 1000:.0f} ms vs {single * 1000:.0f} ms)", flush=True)
+        print(
+            f"[tiny] update with all {TINY.sde.steps - 1} trained steps in one forward / one step per forward "
+            f"(zero3): {ratio:.3f}  ({batched * 1000:.0f} ms vs {single * 1000:.0f} ms)",
+            flush=True,
+        )
         report_memory()
         for w, trained, ratio in window_ratios(args.repeats):
-            print(f"[tiny] SDE window {w} of {trained} trained steps: update time ratio {ratio:.3f}  "
-                  f"(w/T = {w / trained:.3f})", flush=True)
+            print(
+                f"[tiny] SDE window {w} of {trained} trained steps: update time ratio {ratio:.3f}  "
+                f"(w/T = {w / trained:.3f})",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

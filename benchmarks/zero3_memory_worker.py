@@ -50,10 +50,21 @@ def main() -> None:
     mine = list(range(rank * len(prompts) // world, (rank + 1) * len(prompts) // world))
     sde_config = SDEConfig(variant="sage", eta=0.5, steps=4, shift=3.0)
     config = UpdateConfig(learning_rate=1e-4, micro_batch_size=group)
-    rollout = generate(adapter, [prompts[i] for i in mine], group, sde_config, seed=0, prompt_ids=mine,
-                       batch_size=group, progress=False)
-    engine = build_engine(adapter.transformer, config, accumulation_steps=accumulation_steps(
-        len(mine) * group, group, int(rollout.trained_steps.sum())))
+    rollout = generate(
+        adapter,
+        [prompts[i] for i in mine],
+        group,
+        sde_config,
+        seed=0,
+        prompt_ids=mine,
+        batch_size=group,
+        progress=False,
+    )
+    engine = build_engine(
+        adapter.transformer,
+        config,
+        accumulation_steps=accumulation_steps(len(mine) * group, group, int(rollout.trained_steps.sum())),
+    )
     updater = Updater(engine, adapter, config, TrustRegionConfig(strategy="none"))
     rewards = torch.arange(rollout.num_samples, dtype=torch.float32)
     updater.update(rollout, group_advantages(rewards, rollout.group_ids))

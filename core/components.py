@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from core.errors import UserError
 
@@ -15,8 +16,9 @@ def resolve(name: str, registry: dict[str, str], kind: str) -> Callable:
     target = registry.get(name, name)
     module_name, sep, attribute_path = target.partition(":")
     if not sep or not module_name or not attribute_path:
-        raise UserError(f"unknown {kind} {name!r}: expected one of {', '.join(sorted(registry))} "
-                        "or 'package.module:Name'")
+        raise UserError(
+            f"unknown {kind} {name!r}: expected one of {', '.join(sorted(registry))} or 'package.module:Name'"
+        )
     try:
         found = importlib.import_module(module_name)
         for attribute in attribute_path.split("."):
@@ -36,6 +38,9 @@ def check_arguments(factory: Callable, kwargs: dict[str, Any], what: str) -> Non
     try:
         signature.bind(**kwargs)
     except TypeError as error:
-        names = [name for name, parameter in signature.parameters.items()
-                 if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)]
+        names = [
+            name
+            for name, parameter in signature.parameters.items()
+            if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+        ]
         raise ValueError(f"{error} ({what} takes {', '.join(names) or 'no arguments'})") from None

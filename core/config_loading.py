@@ -33,8 +33,10 @@ def safe_load(text: str, source: str) -> object:
     except _SelfReference:
         raise UserError(f"{source}: a YAML alias refers to a node that contains it") from None
     if size > MAX_EXPANDED_SIZE:
-        raise UserError(f"{source}: YAML aliases expand to more than {MAX_EXPANDED_SIZE:,} nodes and characters "
-                        "(an alias bomb?); write the values out")
+        raise UserError(
+            f"{source}: YAML aliases expand to more than {MAX_EXPANDED_SIZE:,} nodes and characters "
+            "(an alias bomb?); write the values out"
+        )
     return data
 
 

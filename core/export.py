@@ -73,8 +73,9 @@ def export_policy(engine_or_module, out_dir: str | Path, *, model: dict[str, Any
     return export_full(engine_or_module, out_dir, model=model)
 
 
-def export_lora(transformer: torch.nn.Module, out_dir: str | Path, *,
-                model: dict[str, Any] | None = None) -> Path | None:
+def export_lora(
+    transformer: torch.nn.Module, out_dir: str | Path, *, model: dict[str, Any] | None = None
+) -> Path | None:
     """Write the ``default`` LoRA adapter of ``transformer`` to ``out_dir``, its scale folded into ``lora_B``;
     ``model`` (see :func:`model_record`) names the base model in ``export.json``. The path on rank 0, None
     elsewhere."""
@@ -140,8 +141,11 @@ def _adapter_scalings(transformer: torch.nn.Module) -> dict[str, float]:
     patterns included), by the layer's name as the adapter's state-dict keys spell it."""
     from peft.tuners.lora import LoraLayer
 
-    return {name: float(layer.scaling[ADAPTER_NAME]) for name, layer in transformer.named_modules()
-            if isinstance(layer, LoraLayer) and ADAPTER_NAME in layer.scaling}
+    return {
+        name: float(layer.scaling[ADAPTER_NAME])
+        for name, layer in transformer.named_modules()
+        if isinstance(layer, LoraLayer) and ADAPTER_NAME in layer.scaling
+    }
 
 
 def _fold_scaling(weights: dict[str, torch.Tensor], scalings: dict[str, float]) -> dict[str, torch.Tensor]:
@@ -195,8 +199,10 @@ def _adapter_metadata(peft_config) -> str:
         "alpha_pattern": dict(peft_config.rank_pattern or {}),
         "use_rslora": False,
     }
-    config = {f"{TRANSFORMER_PREFIX}.{key}": sorted(value) if isinstance(value, set) else value
-              for key, value in config.items()}
+    config = {
+        f"{TRANSFORMER_PREFIX}.{key}": sorted(value) if isinstance(value, set) else value
+        for key, value in config.items()
+    }
     return json.dumps(config, indent=2, sort_keys=True)
 
 

@@ -41,7 +41,9 @@ def group_advantages(
     rewards = _as_rewards(rewards)
     group_ids = torch.as_tensor(group_ids).cpu()
     if rewards.shape != group_ids.shape or rewards.ndim != 1:
-        raise ValueError(f"rewards {list(rewards.shape)} and group ids {list(group_ids.shape)} must be equal 1-D shapes")
+        raise ValueError(
+            f"rewards {list(rewards.shape)} and group ids {list(group_ids.shape)} must be equal 1-D shapes"
+        )
     scored = torch.isfinite(rewards)
     values = torch.zeros_like(rewards)
     valid = torch.zeros_like(scored)
@@ -71,9 +73,9 @@ def _scored_std(rewards: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class SurrogateTerms:
-    loss: torch.Tensor          # per element, already weighted by the equalizer
+    loss: torch.Tensor  # per element, already weighted by the equalizer
     ratio: torch.Tensor
-    clipped: torch.Tensor       # bool: the clipped branch was active
+    clipped: torch.Tensor  # bool: the clipped branch was active
 
 
 def clipped_surrogate(

@@ -23,7 +23,9 @@ class LoraConfig(BaseModel):
     def _no_dropout(cls, value: float) -> float:
         # The policy runs in eval mode (which is what keeps the on-policy ratio exactly 1): dropout would never act.
         if value != 0:
-            raise ValueError("must be 0: the policy runs in eval mode (on-policy ratio == 1), so dropout would be inert")
+            raise ValueError(
+                "must be 0: the policy runs in eval mode (on-policy ratio == 1), so dropout would be inert"
+            )
         return value
 
 
@@ -33,8 +35,13 @@ def add_lora(transformer: torch.nn.Module, config: LoraConfig) -> torch.nn.Modul
 
     transformer.requires_grad_(False)
     transformer.add_adapter(
-        PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
-                       target_modules=config.target_modules, init_lora_weights=True),
+        PeftLoraConfig(
+            r=config.rank,
+            lora_alpha=config.alpha,
+            lora_dropout=config.dropout,
+            target_modules=config.target_modules,
+            init_lora_weights=True,
+        ),
         adapter_name=ADAPTER_NAME,
     )
     if not any(p.requires_grad for p in transformer.parameters()):

@@ -54,8 +54,9 @@ def extensions_root() -> Path:
     return Path(get_default_build_root()) / f"{python}_{accelerator}"
 
 
-def clear_stale_locks(root: str | Path | None = None, stale_after_s: float = STALE_AFTER_S,
-                      poll_s: float = 1.0) -> list[Path]:
+def clear_stale_locks(
+    root: str | Path | None = None, stale_after_s: float = STALE_AFTER_S, poll_s: float = 1.0
+) -> list[Path]:
     """Wait for every op lock under ``root`` to be released, taking over the stale ones (see the module docstring).
     Returns the locks removed. Call once per machine before DeepSpeed loads an op."""
     root = Path(root) if root is not None else extensions_root()
@@ -77,13 +78,21 @@ def _wait_or_take_over(lock: Path, stale_after_s: float, poll_s: float) -> bool:
         quiet_s = time.time() - _last_write(lock.parent)
         if quiet_s > stale_after_s:
             if holders:
-                raise UserError(f"DeepSpeed op build in {lock.parent} (pid {', '.join(map(str, holders))}) has "
-                                f"written nothing for {quiet_s:.0f} s and looks stuck: stop it and run again")
+                raise UserError(
+                    f"DeepSpeed op build in {lock.parent} (pid {', '.join(map(str, holders))}) has "
+                    f"written nothing for {quiet_s:.0f} s and looks stuck: stop it and run again"
+                )
             return _take_over(lock, inode, quiet_s)
         if not told:
             who = f"pid {', '.join(map(str, holders))}" if holders else "a process on another machine sharing the cache"
-            log.warning("waiting for the DeepSpeed op build in %s (%s) to release %s; taken over if nothing is "
-                        "written there for %.0f s", lock.parent, who, lock.name, stale_after_s)
+            log.warning(
+                "waiting for the DeepSpeed op build in %s (%s) to release %s; taken over if nothing is "
+                "written there for %.0f s",
+                lock.parent,
+                who,
+                lock.name,
+                stale_after_s,
+            )
             told = True
         time.sleep(poll_s)
 
@@ -95,8 +104,12 @@ def _take_over(lock: Path, inode: int, quiet_s: float) -> bool:
         lock.unlink()
     except FileNotFoundError:
         return False
-    log.warning("removed the stale DeepSpeed op lock %s (no process holds it, nothing written for %.0f s: a build "
-                "or load was killed); the op is rebuilt or loaded normally", lock, quiet_s)
+    log.warning(
+        "removed the stale DeepSpeed op lock %s (no process holds it, nothing written for %.0f s: a build "
+        "or load was killed); the op is rebuilt or loaded normally",
+        lock,
+        quiet_s,
+    )
     return True
 
 

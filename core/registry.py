@@ -75,12 +75,12 @@ class RegistryConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    model_name: str | None = None             # None: do not register
-    base_model: str | None = None             # what the pyfunc loads the export onto; default: model.pretrained/name
-    promote: bool = False                     # run the gate after registering
+    model_name: str | None = None  # None: do not register
+    base_model: str | None = None  # what the pyfunc loads the export onto; default: model.pretrained/name
+    promote: bool = False  # run the gate after registering
     primary_metric: str = DEFAULT_PRIMARY_METRIC
     margin: float = Field(0.0, ge=0)
-    guards: dict[str, float] = Field(default_factory=dict)   # metric -> largest allowed drop
+    guards: dict[str, float] = Field(default_factory=dict)  # metric -> largest allowed drop
 
 
 # Registration
@@ -92,8 +92,16 @@ def export_key(run_id: str, step: int) -> str:
     return hashlib.sha256(f"{run_id}:{step}".encode()).hexdigest()[:32]
 
 
-def register_export(client: MlflowClient, model_name: str, export_dir: str | Path, run_id: str,
-                    metrics: dict[str, float], export_key: str, *, base_model: str) -> ModelVersion:
+def register_export(
+    client: MlflowClient,
+    model_name: str,
+    export_dir: str | Path,
+    run_id: str,
+    metrics: dict[str, float],
+    export_key: str,
+    *,
+    base_model: str,
+) -> ModelVersion:
     """Register a verified export (see :mod:`core.export`) as a version of ``model_name`` tagged with its eval
     metrics, and point the ``challenger`` alias at it. Rerunning with the same ``export_key`` creates nothing new."""
     kind = read_export_manifest(export_dir)["kind"]  # refuses an incomplete or corrupted export
@@ -101,8 +109,12 @@ def register_export(client: MlflowClient, model_name: str, export_dir: str | Pat
     version = _version_with_export_key(client, model_name, export_key)
     if version is None:
         artifact_path, artifacts_sha256 = _log_policy(client, run_id, export_dir, kind, base_model, export_key)
-        tags = {EXPORT_KEY_TAG: export_key, ARTIFACTS_SHA256_TAG: artifacts_sha256, BASE_MODEL_TAG: base_model,
-                **_metric_tags(metrics)}
+        tags = {
+            EXPORT_KEY_TAG: export_key,
+            ARTIFACTS_SHA256_TAG: artifacts_sha256,
+            BASE_MODEL_TAG: base_model,
+            **_metric_tags(metrics),
+        }
         # All tags in the creating call: a version never exists without its key, digest and metrics.
         version = client.create_model_version(model_name, f"runs:/{run_id}/{artifact_path}", run_id=run_id, tags=tags)
     client.set_registered_model_alias(model_name, CHALLENGER, version.version)
@@ -132,8 +144,9 @@ def _metric_tags(metrics: dict[str, float]) -> dict[str, str]:
     return {f"{METRIC_TAG_PREFIX}{name}": repr(float(value)) for name, value in metrics.items()}
 
 
-def _log_policy(client: MlflowClient, run_id: str, export_dir: str | Path, kind: str, base_model: str,
-                key: str) -> tuple[str, str]:
+def _log_policy(
+    client: MlflowClient, run_id: str, export_dir: str | Path, kind: str, base_model: str, key: str
+) -> tuple[str, str]:
     """Save the pyfunc locally, list its files' sha256, upload it under the run; its path and the list's digest.
 
     The path depends on the export key only, so a rerun after a crash overwrites the same files instead of leaving
@@ -142,8 +155,11 @@ def _log_policy(client: MlflowClient, run_id: str, export_dir: str | Path, kind:
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = Path(scratch) / artifact_path
         mlflow.pyfunc.save_model(
-            model_dir, python_model=VideoPolicyModel(), artifacts={"export": str(export_dir)},
-            model_config={"base_model": base_model, "kind": kind}, signature=_SIGNATURE,
+            model_dir,
+            python_model=VideoPolicyModel(),
+            artifacts={"export": str(export_dir)},
+            model_config={"base_model": base_model, "kind": kind},
+            signature=_SIGNATURE,
             code_paths=[str(_code_copy(Path(scratch) / "code"))],
             # Explicit: inferring them would import and run the model in a subprocess.
             pip_requirements=serving_requirements(),
@@ -156,8 +172,22 @@ def _log_policy(client: MlflowClient, run_id: str, export_dir: str | Path, kind:
 # The foundation floor holds everything the pyfunc imports (core never imports stages or pipeline).
 _CODE_PACKAGE = Path(__file__).resolve().parent
 # What the pyfunc needs when the project is not installed as a distribution (a checkout on PYTHONPATH).
-_SERVING_PACKAGES = ("torch", "diffusers", "transformers", "peft", "accelerate", "safetensors", "huggingface_hub",
-                     "pydantic", "numpy", "pandas", "deepspeed", "boto3", "requests", "pyyaml")
+_SERVING_PACKAGES = (
+    "torch",
+    "diffusers",
+    "transformers",
+    "peft",
+    "accelerate",
+    "safetensors",
+    "huggingface_hub",
+    "pydantic",
+    "numpy",
+    "pandas",
+    "deepspeed",
+    "boto3",
+    "requests",
+    "pyyaml",
+)
 
 
 def _code_copy(destination: Path) -> Path:
@@ -181,8 +211,11 @@ def serving_requirements() -> list[str]:
 
 
 def _write_model_manifest(model_dir: Path) -> str:
-    sums = {path.relative_to(model_dir).as_posix(): _sha256_and_size(path)[0]
-            for path in sorted(model_dir.rglob("*")) if path.is_file()}
+    sums = {
+        path.relative_to(model_dir).as_posix(): _sha256_and_size(path)[0]
+        for path in sorted(model_dir.rglob("*"))
+        if path.is_file()
+    }
     manifest = model_dir / MODEL_MANIFEST
     manifest.write_text(json.dumps(sums, indent=2, sort_keys=True) + "\n")
     return _sha256_and_size(manifest)[0]
@@ -217,8 +250,10 @@ class VideoPolicyModel(PythonModel):
         if model["pretrained"] is not None:
             # The registered base model, not the path training read it from (registry.base_model may name a hub
             # id where training used a local copy).
-            kwargs |= {"path_or_hub_id": context.model_config["base_model"],
-                       "device": "cuda" if torch.cuda.is_available() else "cpu"}
+            kwargs |= {
+                "path_or_hub_id": context.model_config["base_model"],
+                "device": "cuda" if torch.cuda.is_available() else "cpu",
+            }
         self.adapter = build_adapter(model["name"], **kwargs)
         _apply_export(self.adapter.transformer, export_dir, context.model_config["kind"])
 
@@ -265,8 +300,9 @@ def load_registered_policy(model_uri: str, *, tracking_uri: str | None = None):
     download_uri = client.get_model_version_download_uri(version.name, version.version)
     with tempfile.TemporaryDirectory(prefix="policy-") as scratch:
         # Load the very files that were verified: a second download could fetch different ones.
-        model_dir = Path(mlflow.artifacts.download_artifacts(download_uri, dst_path=scratch,
-                                                             tracking_uri=client.tracking_uri))
+        model_dir = Path(
+            mlflow.artifacts.download_artifacts(download_uri, dst_path=scratch, tracking_uri=client.tracking_uri)
+        )
         _verify_model_dir(model_dir, version)
         return mlflow.pyfunc.load_model(str(model_dir))  # weights are in memory once load_context has run
 
@@ -284,8 +320,9 @@ def _verify_model_dir(model_dir: Path, version: ModelVersion) -> None:
     sums = json.loads(manifest.read_text())
     present = {path.relative_to(model_dir).as_posix() for path in model_dir.rglob("*") if path.is_file()}
     unexpected = sorted(present - set(sums) - {MODEL_MANIFEST})
-    changed = sorted(name for name, digest in sums.items()
-                     if name not in present or _sha256_and_size(model_dir / name)[0] != digest)
+    changed = sorted(
+        name for name, digest in sums.items() if name not in present or _sha256_and_size(model_dir / name)[0] != digest
+    )
     if unexpected or changed:
         raise TamperedArtifactError(f"{where}: files changed since registration: {changed + unexpected}")
 
@@ -334,15 +371,25 @@ class PromotionDecision:
     dry_run: bool = False
 
     def summary(self) -> str:
-        verb = ("would promote" if self.dry_run else "promoted") if self.promoted else \
-            ("would not promote" if self.dry_run else "did not promote")
+        verb = (
+            ("would promote" if self.dry_run else "promoted")
+            if self.promoted
+            else ("would not promote" if self.dry_run else "did not promote")
+        )
         champion = f"champion v{self.champion}" if self.champion else "no champion"
         return f"{verb} {self.model_name} v{self.version} ({champion}): " + "; ".join(self.reasons)
 
 
-def promote(client: MlflowClient, model_name: str, *, version: str | int | None = None,
-            primary_metric: str = DEFAULT_PRIMARY_METRIC, min_improvement: float = 0.0,
-            guarded: dict[str, float] | None = None, dry_run: bool = False) -> PromotionDecision:
+def promote(
+    client: MlflowClient,
+    model_name: str,
+    *,
+    version: str | int | None = None,
+    primary_metric: str = DEFAULT_PRIMARY_METRIC,
+    min_improvement: float = 0.0,
+    guarded: dict[str, float] | None = None,
+    dry_run: bool = False,
+) -> PromotionDecision:
     """Move ``champion`` to ``version`` (default: the challenger) when its ``primary_metric`` beats the champion's
     by more than ``min_improvement`` and no ``guarded`` metric drops by more than its tolerance (higher is better
     for all metrics; a guard the champion has no value for is not checked). The decision is recorded as the
@@ -350,12 +397,15 @@ def promote(client: MlflowClient, model_name: str, *, version: str | int | None 
     candidate = _candidate(client, model_name, version)
     champion = _aliased_version(client, model_name, CHAMPION)
     if champion is not None and champion.version == candidate.version:
-        return PromotionDecision(model_name, candidate.version, champion.version, True,
-                                 ["already the champion"], dry_run)
-    promoted, reasons = _judge(_metrics(candidate), _metrics(champion) if champion else None,
-                               primary_metric, min_improvement, guarded or {})
-    decision = PromotionDecision(model_name, candidate.version, champion.version if champion else None,
-                                 promoted, reasons, dry_run)
+        return PromotionDecision(
+            model_name, candidate.version, champion.version, True, ["already the champion"], dry_run
+        )
+    promoted, reasons = _judge(
+        _metrics(candidate), _metrics(champion) if champion else None, primary_metric, min_improvement, guarded or {}
+    )
+    decision = PromotionDecision(
+        model_name, candidate.version, champion.version if champion else None, promoted, reasons, dry_run
+    )
     if not dry_run:
         _record(client, decision)
     return decision
@@ -365,8 +415,9 @@ def _candidate(client: MlflowClient, model_name: str, version: str | int | None)
     if version is not None:
         if not str(version).isdigit():
             raise UserError(f"model version {version!r} is not a version number")
-        return _registry_lookup(lambda: client.get_model_version(model_name, str(version)),
-                                f"{model_name!r} version {version}")
+        return _registry_lookup(
+            lambda: client.get_model_version(model_name, str(version)), f"{model_name!r} version {version}"
+        )
     challenger = _aliased_version(client, model_name, CHALLENGER)
     if challenger is None:
         raise UserError(f"model {model_name!r} has no {CHALLENGER}: pass --version")
@@ -374,12 +425,20 @@ def _candidate(client: MlflowClient, model_name: str, version: str | int | None)
 
 
 def _metrics(version: ModelVersion) -> dict[str, float]:
-    return {key.removeprefix(METRIC_TAG_PREFIX): float(value)
-            for key, value in version.tags.items() if key.startswith(METRIC_TAG_PREFIX)}
+    return {
+        key.removeprefix(METRIC_TAG_PREFIX): float(value)
+        for key, value in version.tags.items()
+        if key.startswith(METRIC_TAG_PREFIX)
+    }
 
 
-def _judge(candidate: dict[str, float], champion: dict[str, float] | None, primary_metric: str,
-           min_improvement: float, guarded: dict[str, float]) -> tuple[bool, list[str]]:
+def _judge(
+    candidate: dict[str, float],
+    champion: dict[str, float] | None,
+    primary_metric: str,
+    min_improvement: float,
+    guarded: dict[str, float],
+) -> tuple[bool, list[str]]:
     """Whether the candidate may replace the champion, and why (or why not), one reason per check."""
     if primary_metric not in candidate:
         return False, [f"{primary_metric} was not recorded for this version"]
@@ -391,8 +450,11 @@ def _judge(candidate: dict[str, float], champion: dict[str, float] | None, prima
     if not math.isfinite(champion.get(primary_metric, math.nan)):
         return True, [f"the champion has no finite {primary_metric} to compare with"]
     checks = [_primary_check(candidate, champion, primary_metric, min_improvement)]
-    checks += [_guard_check(candidate, champion, metric, tolerance) for metric, tolerance in sorted(guarded.items())
-               if metric in champion]
+    checks += [
+        _guard_check(candidate, champion, metric, tolerance)
+        for metric, tolerance in sorted(guarded.items())
+        if metric in champion
+    ]
     return all(passed for passed, _ in checks), [reason for _, reason in checks]
 
 
@@ -400,8 +462,9 @@ def _primary_check(candidate, champion, metric: str, margin: float) -> tuple[boo
     gain = candidate[metric] - champion[metric]
     passed = gain > margin
     relation = ">" if passed else "<="
-    return passed, (f"{metric} {candidate[metric]:.4g} vs {champion[metric]:.4g}: gain {gain:+.4g} {relation} "
-                    f"margin {margin:g}")
+    return passed, (
+        f"{metric} {candidate[metric]:.4g} vs {champion[metric]:.4g}: gain {gain:+.4g} {relation} margin {margin:g}"
+    )
 
 
 def _guard_check(candidate, champion, metric: str, tolerance: float) -> tuple[bool, str]:
@@ -410,14 +473,17 @@ def _guard_check(candidate, champion, metric: str, tolerance: float) -> tuple[bo
     drop = champion[metric] - candidate[metric]
     passed = drop <= tolerance
     relation = "<=" if passed else ">"
-    return passed, (f"guarded {metric} {candidate[metric]:.4g} vs {champion[metric]:.4g}: drop {drop:.4g} "
-                    f"{relation} tolerance {tolerance:g}")
+    return passed, (
+        f"guarded {metric} {candidate[metric]:.4g} vs {champion[metric]:.4g}: drop {drop:.4g} "
+        f"{relation} tolerance {tolerance:g}"
+    )
 
 
 def _record(client: MlflowClient, decision: PromotionDecision) -> None:
     outcome = "promoted" if decision.promoted else "rejected"
     # Tag values are capped (5000 characters on most stores); the reasons are short.
-    client.set_model_version_tag(decision.model_name, decision.version, DECISION_TAG,
-                                 f"{outcome}: {'; '.join(decision.reasons)}"[:5000])
+    client.set_model_version_tag(
+        decision.model_name, decision.version, DECISION_TAG, f"{outcome}: {'; '.join(decision.reasons)}"[:5000]
+    )
     if decision.promoted:
         client.set_registered_model_alias(decision.model_name, CHAMPION, decision.version)

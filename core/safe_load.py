@@ -85,8 +85,9 @@ def data_only_torch_load() -> Iterator[None]:
         with torch.serialization.safe_globals(deepspeed_safe_globals()):
             yield
     except pickle.UnpicklingError as error:
-        raise UnsafeCheckpointError(f"refusing to load a checkpoint file that is not plain data: "
-                                    f"{_reason(error)}") from None
+        raise UnsafeCheckpointError(
+            f"refusing to load a checkpoint file that is not plain data: {_reason(error)}"
+        ) from None
     finally:
         for name, value in saved.items():
             if value is None:
@@ -105,8 +106,10 @@ def check_data_only(directory: str | Path) -> None:
             except (ValueError, RuntimeError, pickle.UnpicklingError) as error:
                 raise UnsafeCheckpointError(f"{path}: not a torch.save checkpoint ({_reason(error)})") from None
             if unsafe:
-                raise UnsafeCheckpointError(f"{path} references {', '.join(sorted(unsafe))}, which a checkpoint may "
-                                            "not contain (only tensors and DeepSpeed's own data types are loaded)")
+                raise UnsafeCheckpointError(
+                    f"{path} references {', '.join(sorted(unsafe))}, which a checkpoint may "
+                    "not contain (only tensors and DeepSpeed's own data types are loaded)"
+                )
 
 
 def load_engine_checkpoint(engine, load_dir: str | Path, tag: str, *, universal: bool = False, **options: Any) -> dict:
@@ -146,8 +149,15 @@ def convert_to_universal(source: str | Path, target: str | Path) -> None:
     from deepspeed.checkpoint import ds_to_universal
 
     check_data_only(source)
-    args = argparse.Namespace(input_folder=str(source), output_folder=str(target), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    args = argparse.Namespace(
+        input_folder=str(source),
+        output_folder=str(target),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
     printed = io.StringIO()  # the converter reports progress with print(): keep it out of the run's stdout
     with data_only_torch_load(), redirect_stdout(printed):
         ds_to_universal.main(args)

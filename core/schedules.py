@@ -9,8 +9,14 @@ from typing import Literal
 LRSchedule = Literal["constant", "linear", "cosine"]
 
 
-def lr_multiplier(step: int, *, schedule: LRSchedule = "constant", warmup_steps: int = 0,
-                  decay_steps: int | None = None, min_ratio: float = 0.0) -> float:
+def lr_multiplier(
+    step: int,
+    *,
+    schedule: LRSchedule = "constant",
+    warmup_steps: int = 0,
+    decay_steps: int | None = None,
+    min_ratio: float = 0.0,
+) -> float:
     """The factor on the base learning rate at optimizer step ``step`` (0 for the first step)."""
     if step < warmup_steps:
         return (step + 1) / (warmup_steps + 1)

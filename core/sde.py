@@ -146,8 +146,9 @@ def sde_step(
     sigma_next_t = _per_sample(sigma_next, x, dtype)
     # Checked where the values are on the host: reading a device tensor would synchronise every step (the
     # rollout's schedule is validated once, on the CPU, before its first step).
-    if sigma_t.device.type == "cpu" and (torch.any(sigma_next_t >= sigma_t) or torch.any(sigma_t > 1.0)
-                                         or torch.any(sigma_next_t < 0.0)):
+    if sigma_t.device.type == "cpu" and (
+        torch.any(sigma_next_t >= sigma_t) or torch.any(sigma_t > 1.0) or torch.any(sigma_next_t < 0.0)
+    ):
         raise ValueError("a denoising step needs 1 >= sigma > sigma_next >= 0")
 
     euler = x + (sigma_next_t - sigma_t) * v
@@ -201,13 +202,16 @@ def noise_stds(variant: str, sigmas: torch.Tensor, eta: float, *, flow_sigma_max
     bad = ~torch.isfinite(std) | (std < 0)
     if torch.any(bad):
         t = int(torch.nonzero(bad).flatten()[0])
-        raise ValueError(f"the {variant} noise std of step {t} of {len(std)} is {float(std[t])} "
-                         f"(sigma {float(sigmas[t]):.6g} -> {float(sigmas[t + 1]):.6g})")
+        raise ValueError(
+            f"the {variant} noise std of step {t} of {len(std)} is {float(std[t])} "
+            f"(sigma {float(sigmas[t]):.6g} -> {float(sigmas[t + 1]):.6g})"
+        )
     return std
 
 
 def gradient_scales(variant: str, sigmas: torch.Tensor, eta: float, *, flow_sigma_max: float | None = None):
-    """N_t = |d mean / d v| / std per step: how strongly a step's log-prob gradient scales. NaN on deterministic steps."""
+    """N_t = |d mean / d v| / std per step: how strongly a step's log-prob gradient scales. NaN on deterministic
+    steps."""
     std, jacobian = _schedule_terms(variant, sigmas, eta, flow_sigma_max)
     stochastic = std > 0
     return torch.where(stochastic, jacobian.abs() / torch.where(stochastic, std, 1.0), torch.nan)
@@ -225,8 +229,14 @@ def _schedule_terms(variant, sigmas, eta, flow_sigma_max):
     return torch.where(stochastic, std, 0.0), torch.where(stochastic, jacobian, sigma_next - sigma)
 
 
-def balance_factors(variant: str, sigmas: torch.Tensor, eta: float, *, trained: torch.Tensor | None = None,
-                    flow_sigma_max: float | None = None):
+def balance_factors(
+    variant: str,
+    sigmas: torch.Tensor,
+    eta: float,
+    *,
+    trained: torch.Tensor | None = None,
+    flow_sigma_max: float | None = None,
+):
     """S_t = median(N) / (N_t + 1e-8) for every step; 0 on deterministic steps, which carry no gradient.
 
     ``trained`` ([T] bool) restricts the median and the factors to the steps that are trained (an SDE window).

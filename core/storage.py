@@ -50,7 +50,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 from urllib.parse import unquote, urlparse
@@ -85,8 +85,16 @@ _REMOTE_ERRORS = (BotoCoreError, ClientError, RetriesExceededError)
 # What a failed delete can raise; pruning logs these instead of stopping a training run.
 _STORAGE_ERRORS = (OSError, *_REMOTE_ERRORS)
 # Answers that mean "not now" rather than "no": retrying (or restarting the run later) can succeed.
-_OUTAGE_CODES = {"NoSuchBucket", "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
-                 "ThrottlingException", "RequestLimitExceeded"}
+_OUTAGE_CODES = {
+    "NoSuchBucket",
+    "SlowDown",
+    "ServiceUnavailable",
+    "InternalError",
+    "RequestTimeout",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+}
 _RETRY_FIRST_DELAY_S = 1.0
 _RETRY_MAX_DELAY_S = 30.0
 
@@ -168,13 +176,13 @@ class CheckpointConfig(BaseModel):
 
     # A local path, file:///abs/path or s3://bucket/prefix; None: <output_dir>/checkpoints.
     uri: str | None = None
-    every: int = Field(0, ge=0)               # iterations between checkpoints; 0: only at the end and on preemption
-    keep_last: int = Field(3, ge=2)           # see CheckpointStore.prune for why never fewer than two
-    best_metric: str | None = None            # also keep the best step by this key of the manifest's extra
+    every: int = Field(0, ge=0)  # iterations between checkpoints; 0: only at the end and on preemption
+    keep_last: int = Field(3, ge=2)  # see CheckpointStore.prune for why never fewer than two
+    best_metric: str | None = None  # also keep the best step by this key of the manifest's extra
     higher_is_better: bool = True
-    endpoint_url: str | None = None           # an S3-compatible service (MinIO, Ceph) instead of AWS
+    endpoint_url: str | None = None  # an S3-compatible service (MinIO, Ceph) instead of AWS
     region_name: str | None = None
-    addressing_style: Literal["auto", "path", "virtual"] = "auto"   # most MinIO setups need "path"
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"  # most MinIO setups need "path"
     retry_mode: Literal["standard", "adaptive"] = "standard"
     max_attempts: int = Field(10, ge=1)
     connect_timeout_s: float = Field(10.0, gt=0)
@@ -210,7 +218,7 @@ class CheckpointConfig(BaseModel):
             raise UserError("checkpoint.uri is not set and no output directory was given")
         uri = self.uri if self.uri is not None else str(Path(output_dir) / "checkpoints")
         if uri.startswith("s3://"):
-            bucket, _, prefix = _canonical_location(uri)[len("s3://"):].partition("/")
+            bucket, _, prefix = _canonical_location(uri)[len("s3://") :].partition("/")
             backend = S3Backend(self._s3_client(), bucket, prefix, self._transfer_config())
         else:
             backend = LocalBackend(_local_path(uri))
@@ -218,10 +226,16 @@ class CheckpointConfig(BaseModel):
 
     def _s3_client(self):
         # The transfer manager runs max_concurrency requests at once; fewer pooled connections would serialise them.
-        return s3_client(endpoint_url=self.endpoint_url, region_name=self.region_name,
-                         addressing_style=self.addressing_style, retry_mode=self.retry_mode,
-                         max_attempts=self.max_attempts, connect_timeout_s=self.connect_timeout_s,
-                         read_timeout_s=self.read_timeout_s, max_pool_connections=max(10, self.max_concurrency))
+        return s3_client(
+            endpoint_url=self.endpoint_url,
+            region_name=self.region_name,
+            addressing_style=self.addressing_style,
+            retry_mode=self.retry_mode,
+            max_attempts=self.max_attempts,
+            connect_timeout_s=self.connect_timeout_s,
+            read_timeout_s=self.read_timeout_s,
+            max_pool_connections=max(10, self.max_concurrency),
+        )
 
     def _transfer_config(self) -> TransferConfig:
         return TransferConfig(
@@ -247,7 +261,7 @@ def _local_path(location: str) -> Path:
 def _canonical_location(location: str) -> str:
     """The form a backend's ``uri`` takes, so that a resume URI can be compared with a root."""
     if location.startswith("s3://"):
-        bucket, _, prefix = location[len("s3://"):].partition("/")
+        bucket, _, prefix = location[len("s3://") :].partition("/")
         if not bucket:
             raise UserError(f"{mask_uri(location)!r} names no bucket")
         if not _BUCKET_NAME.fullmatch(bucket):
@@ -408,7 +422,7 @@ class S3Backend:
     def sizes(self, prefix: str) -> dict[str, int]:
         base = self._key(prefix) + "/"
         pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self._bucket, Prefix=base)
-        return {item["Key"][len(base):]: item["Size"] for page in pages for item in page.get("Contents", [])}
+        return {item["Key"][len(base) :]: item["Size"] for page in pages for item in page.get("Contents", [])}
 
     def sha256(self, keys: Sequence[str]) -> dict[str, str]:
         # Streaming into a hash (no local copy) through the transfer manager, which retries interrupted streams
@@ -423,7 +437,7 @@ class S3Backend:
     def child_dirs(self) -> list[str]:
         base = self._key("")
         pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self._bucket, Prefix=base, Delimiter="/")
-        return [item["Prefix"][len(base):].rstrip("/") for page in pages for item in page.get("CommonPrefixes", [])]
+        return [item["Prefix"][len(base) :].rstrip("/") for page in pages for item in page.get("CommonPrefixes", [])]
 
     def delete_key(self, key: str) -> None:
         self._client.delete_object(Bucket=self._bucket, Key=self._key(key))
@@ -431,7 +445,7 @@ class S3Backend:
     def delete_tree(self, prefix: str) -> None:
         keys = [self._key(f"{prefix}/{key}") for key in self.sizes(prefix)]
         for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
-            batch = [{"Key": key} for key in keys[start:start + 1000]]
+            batch = [{"Key": key} for key in keys[start : start + 1000]]
             response = self._client.delete_objects(Bucket=self._bucket, Delete={"Objects": batch, "Quiet": True})
             if response.get("Errors"):
                 raise OSError(f"could not delete {len(response['Errors'])} objects under {self.uri}/{prefix}")
@@ -441,8 +455,14 @@ class S3Backend:
         # the source goes, its manifest first so that it is never a committed step with missing files.
         keys = list(self.sizes(prefix))
         with create_transfer_manager(self._client, self._transfer_config) as manager:
-            futures = [manager.copy({"Bucket": self._bucket, "Key": self._key(f"{prefix}/{key}")}, self._bucket,
-                                    self._key(f"{target}/{key}")) for key in keys]
+            futures = [
+                manager.copy(
+                    {"Bucket": self._bucket, "Key": self._key(f"{prefix}/{key}")},
+                    self._bucket,
+                    self._key(f"{target}/{key}"),
+                )
+                for key in keys
+            ]
             for future in futures:
                 future.result()
         self.delete_key(f"{prefix}/{MANIFEST_NAME}")
@@ -532,8 +552,9 @@ class CheckpointStore:
             self._begin(step, run_id)  # outside the try: a refused claim must not clean up the owner's staging
             try:
                 self._upload(step, staged)
-                return self._seal(step, entries, world_size=world_size, config_hash=config_hash, extra=extra,
-                                  run_id=run_id)
+                return self._seal(
+                    step, entries, world_size=world_size, config_hash=config_hash, extra=extra, run_id=run_id
+                )
             except BaseException:
                 self.backend.abandon_step(step)
                 raise
@@ -573,12 +594,17 @@ class CheckpointStore:
         for rank, entries in sorted(rank_files.items()):
             for entry in entries:
                 if entry.path in owners:
-                    raise CheckpointError(f"{self.uri}/{step_dir(step)}: {entry.path} reported by ranks "
-                                          f"{owners[entry.path]} and {rank}")
+                    raise CheckpointError(
+                        f"{self.uri}/{step_dir(step)}: {entry.path} reported by ranks {owners[entry.path]} and {rank}"
+                    )
                 owners[entry.path] = rank
         entries = sorted((entry for files in rank_files.values() for entry in files), key=lambda entry: entry.path)
-        return self._retrying(f"committing {step_dir(step)}", lambda: self._seal(
-            step, entries, world_size=world_size, config_hash=config_hash, extra=extra, run_id=run_id))
+        return self._retrying(
+            f"committing {step_dir(step)}",
+            lambda: self._seal(
+                step, entries, world_size=world_size, config_hash=config_hash, extra=extra, run_id=run_id
+            ),
+        )
 
     # --- Ownership -----------------------------------------------------------------------------------------------
 
@@ -591,8 +617,9 @@ class CheckpointStore:
         try:
             return str(json.loads(data)["run_id"])
         except (ValueError, KeyError, TypeError):
-            raise CheckpointError(f"{self.uri}/{OWNER_NAME} is unreadable: refusing to guess which run owns "
-                                  "this checkpoint root") from None
+            raise CheckpointError(
+                f"{self.uri}/{OWNER_NAME} is unreadable: refusing to guess which run owns this checkpoint root"
+            ) from None
 
     @_translated("claiming the root")
     def claim(self, run_id: str, *, take_over: bool = False) -> None:
@@ -600,7 +627,7 @@ class CheckpointStore:
         (a deliberate fresh start); that run's steps stay, and this run's pruning never deletes them."""
         if not run_id:
             raise ValueError("a run id is a non-empty string")
-        record = json.dumps({"run_id": run_id, "claimed": datetime.now(timezone.utc).isoformat()}).encode()
+        record = json.dumps({"run_id": run_id, "claimed": datetime.now(UTC).isoformat()}).encode()
         if take_over:
             previous = self.owner() if self.backend.read_bytes(OWNER_NAME) is not None else None
             self.backend.write_bytes(OWNER_NAME, record)
@@ -611,8 +638,10 @@ class CheckpointStore:
         # Read back even after a successful create: a store that ignores conditional writes shows the last writer.
         owner = self.owner()
         if owner != run_id:
-            raise RootClaimedError(f"checkpoint root {self.uri} belongs to run {owner}: give this run its own "
-                                   "checkpoint.uri, or continue that run with --resume auto")
+            raise RootClaimedError(
+                f"checkpoint root {self.uri} belongs to run {owner}: give this run its own "
+                "checkpoint.uri, or continue that run with --resume auto"
+            )
         if created:
             logger.info("checkpoint root %s claimed by run %s", self.uri, run_id)
 
@@ -702,8 +731,14 @@ class CheckpointStore:
 
     # --- Retention -----------------------------------------------------------------------------------------------
 
-    def prune(self, *, keep_last: int, best_metric: str | None = None, higher_is_better: bool = True,
-              run_id: str | None = None) -> list[int]:
+    def prune(
+        self,
+        *,
+        keep_last: int,
+        best_metric: str | None = None,
+        higher_is_better: bool = True,
+        run_id: str | None = None,
+    ) -> list[int]:
         """Delete committed steps except the last ``keep_last``, the best by ``manifest.extra[best_metric]`` and
         ``latest``; return the deleted steps. With ``run_id`` only that run's steps are considered (another run's,
         and old manifests without a run id, are never deleted). Uncommitted (in-flight) steps, steps that failed
@@ -714,8 +749,11 @@ class CheckpointStore:
             raise UserError(f"keep_last must be >= 2, got {keep_last}")
         try:
             manifests = self._readable_manifests(self.list_steps())
-            ours = {step: manifest for step, manifest in manifests.items()
-                    if step not in self._failed and (run_id is None or manifest.run_id == run_id)}
+            ours = {
+                step: manifest
+                for step, manifest in manifests.items()
+                if step not in self._failed and (run_id is None or manifest.run_id == run_id)
+            }
             keep = set(sorted(ours)[-keep_last:]) | {self.latest_step()}
         except (StoreUnavailable, StorageError) as error:
             logger.warning("not pruning %s: %s", self.uri, error)
@@ -736,12 +774,26 @@ class CheckpointStore:
         prefix = self.backend.incoming(step)
         self.backend.upload_files([(source, f"{prefix}/{relpath}") for source, relpath in staged])
 
-    def _seal(self, step: int, entries: Sequence[FileEntry], *, world_size: int, config_hash: str,
-              extra: Mapping[str, Any] | None, run_id: str | None) -> Manifest:
+    def _seal(
+        self,
+        step: int,
+        entries: Sequence[FileEntry],
+        *,
+        world_size: int,
+        config_hash: str,
+        extra: Mapping[str, Any] | None,
+        run_id: str | None,
+    ) -> Manifest:
         prefix = self.backend.incoming(step)
-        manifest = Manifest(step=step, world_size=world_size, config_hash=config_hash,
-                            created=datetime.now(timezone.utc), files=tuple(entries), extra=dict(extra or {}),
-                            run_id=run_id)
+        manifest = Manifest(
+            step=step,
+            world_size=world_size,
+            config_hash=config_hash,
+            created=datetime.now(UTC),
+            files=tuple(entries),
+            extra=dict(extra or {}),
+            run_id=run_id,
+        )
         present = self.backend.sizes(prefix)
         _raise_if_problems(f"{self.uri}/{step_dir(step)} (uploaded)", _size_problems(manifest, present))
         listed = {entry.path for entry in entries}
@@ -771,7 +823,7 @@ class CheckpointStore:
                 if run_id is not None and owner != run_id:
                     reason = f"run {owner} wrote it"
         if reason is not None:
-            target = f"{SET_ASIDE}{step_dir(step)}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
+            target = f"{SET_ASIDE}{step_dir(step)}-{datetime.now(UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
             self.backend.move_tree(step_dir(step), target)
             logger.warning("moved %s/%s aside to %s before replacing it: %s", self.uri, step_dir(step), target, reason)
 
@@ -789,18 +841,29 @@ class CheckpointStore:
                 continue
             if owner is not None and written_by not in (None, owner):
                 # Left by the run this root was taken over from: resuming it would splice two runs together.
-                logger.warning("skipping checkpoint %s/%s: written by run %s, not by the owner %s", self.uri,
-                               step_dir(step), written_by, owner)
+                logger.warning(
+                    "skipping checkpoint %s/%s: written by run %s, not by the owner %s",
+                    self.uri,
+                    step_dir(step),
+                    written_by,
+                    owner,
+                )
                 continue
             if step != pointer:
-                logger.warning("resuming from %s/%s, the newest verified checkpoint (latest was %s)",
-                               self.uri, step_dir(step), pointer)
+                logger.warning(
+                    "resuming from %s/%s, the newest verified checkpoint (latest was %s)",
+                    self.uri,
+                    step_dir(step),
+                    pointer,
+                )
             else:
                 logger.info("resuming from %s/%s", self.uri, step_dir(step))
             return step
         if candidates and not fresh_start:
-            raise CheckpointError(f"no checkpoint under {self.uri} can be resumed: steps {sorted(candidates)} fail "
-                                  "verification (they are kept); start over only deliberately: --fresh-start")
+            raise CheckpointError(
+                f"no checkpoint under {self.uri} can be resumed: steps {sorted(candidates)} fail "
+                "verification (they are kept); start over only deliberately: --fresh-start"
+            )
         if candidates:
             logger.warning("no checkpoint under %s can be resumed; starting fresh as asked, keeping them", self.uri)
         else:
@@ -817,8 +880,9 @@ class CheckpointStore:
         match = _STEP_NAME.fullmatch(name)
         if match and (not parent or _same_location(parent, self.uri)):
             return int(match.group(1))
-        raise CheckpointError(f"resume {mask_uri(str(resume))!r} is not 'auto', a step number or a step-N checkpoint "
-                              f"under {self.uri}")
+        raise CheckpointError(
+            f"resume {mask_uri(str(resume))!r} is not 'auto', a step number or a step-N checkpoint under {self.uri}"
+        )
 
     def _readable_manifests(self, steps: Sequence[int]) -> dict[int, Manifest]:
         manifests = {}
@@ -849,8 +913,9 @@ class CheckpointStore:
             except _REMOTE_ERRORS as error:
                 if not _is_outage(error) or time.monotonic() + delay > deadline:
                     raise self._translate(error, what) from None
-                logger.warning("%s unreachable while %s (%s); retrying in %.0f s", self.uri, what, _one_line(error),
-                               delay)
+                logger.warning(
+                    "%s unreachable while %s (%s); retrying in %.0f s", self.uri, what, _one_line(error), delay
+                )
             except StoreUnavailable as error:  # from a translated read inside the action
                 if time.monotonic() + delay > deadline:
                     raise
@@ -908,8 +973,11 @@ def _staged_files(local_dir: Path) -> list[tuple[Path, str]]:
     if not local_dir.is_dir():
         raise ValueError(f"checkpoint staging directory {local_dir} does not exist")
     staged = sorted(
-        ((path, checked_relpath(path.relative_to(local_dir).as_posix())) for path in local_dir.rglob("*")
-         if path.is_file()),
+        (
+            (path, checked_relpath(path.relative_to(local_dir).as_posix()))
+            for path in local_dir.rglob("*")
+            if path.is_file()
+        ),
         key=lambda item: item[1],
     )
     if not staged:

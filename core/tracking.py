@@ -223,8 +223,9 @@ class Tracker:
 
     # --- Public API --------------------------------------------------------------------------------------------
 
-    def start(self, config: BaseModel | Mapping[str, Any], run_id: str | None = None,
-              identity: str | None = None) -> str | None:
+    def start(
+        self, config: BaseModel | Mapping[str, Any], run_id: str | None = None, identity: str | None = None
+    ) -> str | None:
         """Open a new run, or continue ``run_id`` (saved with the checkpoint), and log ``config`` as params.
         ``identity`` (the training run's own id, which owns its checkpoint root) is set as the tag
         ``sagegrpo.run_id``; without ``run_id``, a run carrying the same identity is continued: a job restarted
@@ -262,8 +263,11 @@ class Tracker:
         report = prompt_set.report
         counts = {"kept": report.kept, **{f"skipped.{kind}": n for kind, n in report.counts.items()}}
         try:
-            inputs = [_dataset_input(prompts, source, context, counts) for prompts, context in
-                      ((prompt_set.train, "training"), (prompt_set.eval, "evaluation")) if prompts]
+            inputs = [
+                _dataset_input(prompts, source, context, counts)
+                for prompts, context in ((prompt_set.train, "training"), (prompt_set.eval, "evaluation"))
+                if prompts
+            ]
         except Exception as error:  # noqa: BLE001 - MLflow's profiling of odd metadata must never stop training
             log.warning("prompt set not logged to MLflow: %s", _first_line(error))
             return
@@ -274,8 +278,9 @@ class Tracker:
         it with a step slider."""
         if not self.enabled:
             return
-        self._upload(f"image {key}", lambda: self._client.log_image(self.run_id, image, key=key, step=step,
-                                                                    synchronous=True))
+        self._upload(
+            f"image {key}", lambda: self._client.log_image(self.run_id, image, key=key, step=step, synchronous=True)
+        )
 
     def log_table(self, data: Mapping[str, list], artifact_file: str) -> None:
         """Columns as an MLflow table (JSON artifact, shown in the UI's evaluation view); rows are appended when
@@ -292,8 +297,9 @@ class Tracker:
         try:
             return max((metric.step for metric in self._client.get_metric_history(self.run_id, key)), default=0)
         except (MlflowException, requests.RequestException, OSError) as error:
-            log.warning("could not read the MLflow run's history (%s); iterations may be logged twice",
-                        _first_line(error))
+            log.warning(
+                "could not read the MLflow run's history (%s); iterations may be logged twice", _first_line(error)
+            )
             return 0
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
@@ -402,8 +408,11 @@ class Tracker:
         if self._system_metrics is not None:
             self._system_metrics.finish()
         self._system_metrics = SystemMetricsMonitor(
-            self.run_id, sampling_interval=self.config.system_metrics_interval_s, resume_logging=True,
-            tracking_uri=self.tracking_uri)
+            self.run_id,
+            sampling_interval=self.config.system_metrics_interval_s,
+            resume_logging=True,
+            tracking_uri=self.tracking_uri,
+        )
         self._system_metrics.start()
 
     def _new_run(self) -> str:
@@ -413,8 +422,9 @@ class Tracker:
     def _run_with_identity(self) -> str | None:
         if not self._identity:
             return None
-        runs = self._client.search_runs([self._experiment_id()], f"tags.`{IDENTITY_TAG}` = '{self._identity}'",
-                                        max_results=1)
+        runs = self._client.search_runs(
+            [self._experiment_id()], f"tags.`{IDENTITY_TAG}` = '{self._identity}'", max_results=1
+        )
         return runs[0].info.run_id if runs else None
 
     def _continue_run(self, run_id: str) -> str:
@@ -486,7 +496,9 @@ class Tracker:
         if not self._in_outage:
             log.warning(
                 "MLflow tracking at %s is unreachable (%s); metrics are buffered in %s and sent when it answers",
-                self._safe_uri, _first_line(error), self._buffer,
+                self._safe_uri,
+                _first_line(error),
+                self._buffer,
             )
         self._in_outage = True
 

@@ -10,11 +10,11 @@ from enum import Enum
 
 
 class KLStrategy(str, Enum):
-    NONE = "none"            # no KL term
-    FIXED = "fixed"          # position KL to the initial model
+    NONE = "none"  # no KL term
+    FIXED = "fixed"  # position KL to the initial model
     STEP_WISE = "step_wise"  # velocity KL to the rollout policy only
-    MOVING = "moving"        # position KL to a moving anchor only
-    DUAL = "dual"            # moving-anchor position KL + step-wise velocity KL (SAGE-GRPO)
+    MOVING = "moving"  # position KL to a moving anchor only
+    DUAL = "dual"  # moving-anchor position KL + step-wise velocity KL (SAGE-GRPO)
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,12 @@ from stages.score import Scorer, ScoringConfig
 # Used when neither the config nor the caller says: small enough for a laptop CPU, long enough for temporal rewards.
 DEFAULT_FRAMES, DEFAULT_HEIGHT, DEFAULT_WIDTH, DEFAULT_FPS = 9, 64, 64, 24.0
 # Without a data source: prompts of the kinds rewards judge (objects, motion, style).
-FALLBACK_PROMPTS = ["a red car driving along a coastal road at sunset", "a cat jumping onto a wooden table",
-                    "an anime-style city street in the rain at night", "a slow pan across snowy mountains"]
+FALLBACK_PROMPTS = [
+    "a red car driving along a coastal road at sunset",
+    "a cat jumping onto a wooden table",
+    "an anime-style city street in the rain at night",
+    "a slow pan across snowy mountains",
+]
 
 
 @dataclass(frozen=True)
@@ -44,8 +48,10 @@ class VideoSize:
 
     def __post_init__(self):
         if min(self.num_frames, self.height, self.width) < 1 or not self.fps > 0:
-            raise UserError(f"video size must be positive, got {self.num_frames} frames of {self.height}x{self.width}"
-                            f" at {self.fps} fps")
+            raise UserError(
+                f"video size must be positive, got {self.num_frames} frames of {self.height}x{self.width}"
+                f" at {self.fps} fps"
+            )
 
     @classmethod
     def from_model_kwargs(cls, kwargs: dict) -> VideoSize:
@@ -79,9 +85,17 @@ class _Target:
     timeout_s: float | None
 
 
-def check_reward(target: str, overrides: list[str] = (), *, data: str | None = None, num_videos: int = 4,
-                 size: VideoSize | None = None, device: str | None = None, seed: int = 0,
-                 out: Callable[[str], None] = print) -> int:
+def check_reward(
+    target: str,
+    overrides: list[str] = (),
+    *,
+    data: str | None = None,
+    num_videos: int = 4,
+    size: VideoSize | None = None,
+    device: str | None = None,
+    seed: int = 0,
+    out: Callable[[str], None] = print,
+) -> int:
     """Check every reward of ``target`` (a config YAML, or one reward spec) and print what was found; returns 0.
 
     ``overrides``: ``key.sub=value`` for the config, or for the spec (``kwargs.banned=blood``, ``weights.safety=2``).
@@ -97,9 +111,11 @@ def check_reward(target: str, overrides: list[str] = (), *, data: str | None = N
     videos = synthetic_videos(num_videos, size, seed)
     columns = sorted({name for row in metadata for name in row}) if metadata else []
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    out(f"check-reward: {num_videos} synthetic videos of {size.num_frames} frames at {size.height}x{size.width}, "
+    out(
+        f"check-reward: {num_videos} synthetic videos of {size.num_frames} frames at {size.height}x{size.width}, "
         f"{size.fps:g} fps, on {device}; prompts from {source.source if source else 'built-in examples'} "
-        f"(metadata columns: {', '.join(columns) or 'none'})")
+        f"(metadata columns: {', '.join(columns) or 'none'})"
+    )
     for spec in found.specs:
         report = _check_one(spec, videos, prompts, metadata, device, found.timeout_s)
         out("\n".join(report))
@@ -130,8 +146,9 @@ def _load_target(target: str, overrides: list[str]) -> _Target:
         raw = config_loading.read_yaml(target)
         if "data" in raw:  # a run config: validated whole, as ``run`` would
             config = load_run_config(target, overrides)
-            return _Target(config.rewards, VideoSize.from_model_kwargs(config.model.kwargs), config.data,
-                           config.scoring.timeout_s)
+            return _Target(
+                config.rewards, VideoSize.from_model_kwargs(config.model.kwargs), config.data, config.scoring.timeout_s
+            )
         rewards = config_loading.validate(_RewardsFile, config_loading.apply_overrides(raw, overrides), target)
         return _Target(rewards.rewards, VideoSize(), rewards.data, rewards.scoring.timeout_s)
     spec = config_loading.validate(RewardSpec, config_loading.apply_overrides({"name": target}, overrides), target)
@@ -148,8 +165,14 @@ def _prompts(source: DataConfig | None, count: int) -> tuple[list[str], list[dic
     return [p.text for p in chosen], [p.metadata for p in chosen]
 
 
-def _check_one(spec: RewardSpec, videos: VideoBatch, prompts: list[str], metadata: list[dict] | None, device: str,
-               timeout_s: float | None) -> list[str]:
+def _check_one(
+    spec: RewardSpec,
+    videos: VideoBatch,
+    prompts: list[str],
+    metadata: list[dict] | None,
+    device: str,
+    timeout_s: float | None,
+) -> list[str]:
     rss_before = _peak_rss_mb()
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
@@ -167,14 +190,15 @@ def _check_one(spec: RewardSpec, videos: VideoBatch, prompts: list[str], metadat
     memory = f"peak RSS {_peak_rss_mb():.0f} MB ({rss_before:.0f} MB before building)"
     if device.startswith("cuda"):
         memory += f"; CUDA peak {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MB"
-    lines = [f"reward {spec.name!r}: ok",
-             f"  dimensions  {_dimension_list(second.dimensions, second.weights)}"]
+    lines = [f"reward {spec.name!r}: ok", f"  dimensions  {_dimension_list(second.dimensions, second.weights)}"]
     lines += [f"  {name:<11} {_summary(values)}" for name, values in second.dimensions.items()]
     if first.dimensions != second.dimensions:
         lines.append("  note        the same videos scored differently on the second call (a non-deterministic reward)")
-    lines += [f"  time        {second_s / len(videos):.4f} s/video (first call {first_s / len(videos):.4f} s/video; "
-              f"build {built:.2f} s, setup {set_up:.2f} s)",
-              f"  memory      {memory}"]
+    lines += [
+        f"  time        {second_s / len(videos):.4f} s/video (first call {first_s / len(videos):.4f} s/video; "
+        f"build {built:.2f} s, setup {set_up:.2f} s)",
+        f"  memory      {memory}",
+    ]
     return lines
 
 
@@ -185,8 +209,10 @@ def _timed(call):
 
 
 def _dimension_list(dimensions: dict, weights: dict[str, float]) -> str:
-    return ", ".join(f"{name} (weight {weights[name]:g})" if name in weights else f"{name} (reported, not summed)"
-                     for name in dimensions)
+    return ", ".join(
+        f"{name} (weight {weights[name]:g})" if name in weights else f"{name} (reported, not summed)"
+        for name in dimensions
+    )
 
 
 def _summary(values: list[float | None]) -> str:

@@ -66,9 +66,15 @@ class RNGState:
 def config_hash(config: RunConfig) -> str:
     """What must match for a checkpoint to continue this run: everything but how long it runs, where it logs and
     where it publishes."""
-    data = config.model_dump(mode="json", exclude={"run": {"max_iterations", "time_budget_minutes"},
-                                                   "tracking": True, "checkpoint": True,
-                                                   "registry": True})
+    data = config.model_dump(
+        mode="json",
+        exclude={
+            "run": {"max_iterations", "time_budget_minutes"},
+            "tracking": True,
+            "checkpoint": True,
+            "registry": True,
+        },
+    )
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
@@ -121,7 +127,8 @@ class Checkpointer:
         self.engine.save_checkpoint(str(staging), tag=ENGINE_TAG, save_latest=False)
         torch.save({name: state.state_dict() for name, state in self.states.items()}, self._rank_file(staging))
         reported = distributed.gather_or_raise(
-            lambda: [entry.model_dump() for entry in self.store.upload_rank_files(step, distributed.rank(), staging)])
+            lambda: [entry.model_dump() for entry in self.store.upload_rank_files(step, distributed.rank(), staging)]
+        )
         distributed.on_main(lambda: self._commit(step, reported, metrics))
         shutil.rmtree(staging, ignore_errors=True)
         distributed.barrier()
@@ -132,15 +139,25 @@ class Checkpointer:
 
     def _commit(self, step: int, reported: list[list[dict]], metrics: dict[str, float] | None) -> None:
         rank_files = {rank: [FileEntry(**entry) for entry in entries] for rank, entries in enumerate(reported)}
-        self.store.commit_manifest(step, rank_files, world_size=distributed.world_size(),
-                                   config_hash=self.config_hash, extra={**(metrics or {}), "iteration": step},
-                                   run_id=self.run_id)
-        self.store.prune(keep_last=self.retention.keep_last, best_metric=self.retention.best_metric,
-                         higher_is_better=self.retention.higher_is_better, run_id=self.run_id)
+        self.store.commit_manifest(
+            step,
+            rank_files,
+            world_size=distributed.world_size(),
+            config_hash=self.config_hash,
+            extra={**(metrics or {}), "iteration": step},
+            run_id=self.run_id,
+        )
+        self.store.prune(
+            keep_last=self.retention.keep_last,
+            best_metric=self.retention.best_metric,
+            higher_is_better=self.retention.higher_is_better,
+            run_id=self.run_id,
+        )
         logger.info("checkpoint step-%d committed to %s", step, self.store.uri)
 
-    def load(self, resume: str, *, same_run: bool = True, require: bool = False,
-             fresh_start: bool = False) -> int | None:
+    def load(
+        self, resume: str, *, same_run: bool = True, require: bool = False, fresh_start: bool = False
+    ) -> int | None:
         """Restore the engine and every registered state from a verified checkpoint; return its step, or None when
         ``resume`` is ``auto`` and nothing is there yet. ``same_run`` (resuming) demands the config the checkpoint was
         written with and continues its run identity; evaluating or sampling a saved policy may change the sampler.
@@ -157,15 +174,21 @@ class Checkpointer:
         self._check_compatible(step, manifest, same_run)
         resharded = manifest.world_size != distributed.world_size()
         if resharded:
-            logger.warning("checkpoint step-%d was written by %d rank(s); continuing it on %d through DeepSpeed's "
-                           "universal checkpoint", step, manifest.world_size, distributed.world_size())
+            logger.warning(
+                "checkpoint step-%d was written by %d rank(s); continuing it on %d through DeepSpeed's "
+                "universal checkpoint",
+                step,
+                manifest.world_size,
+                distributed.world_size(),
+            )
         local = self.work_dir / "checkpoint-restore" / f"step-{step}"
         leader = distributed.node_leader()  # one download (and conversion) per host; every rank of the host reads it
         distributed.gather_or_raise(lambda: self._fetch(step, local, resharded) if leader else None)
         # A checkpoint is data: DeepSpeed's files load with weights_only forced (core.safe_load), ours with
         # weights_only=True, after every file's sha256 was verified against the manifest.
-        load_engine_checkpoint(self.engine, local, UNIVERSAL_TAG if resharded else ENGINE_TAG, universal=resharded,
-                               load_module_strict=True)
+        load_engine_checkpoint(
+            self.engine, local, UNIVERSAL_TAG if resharded else ENGINE_TAG, universal=resharded, load_module_strict=True
+        )
         if resharded:
             self._load_resharded(local, manifest.world_size)
         else:
@@ -199,8 +222,10 @@ class Checkpointer:
 
     def _check_compatible(self, step: int, manifest, same_run: bool) -> None:
         if same_run and manifest.config_hash != self.config_hash:
-            raise UserError(f"checkpoint step-{step} was written with a different config; only run.max_iterations, "
-                            "run.time_budget_minutes, tracking, checkpoint and registry may change on resume")
+            raise UserError(
+                f"checkpoint step-{step} was written with a different config; only run.max_iterations, "
+                "run.time_budget_minutes, tracking, checkpoint and registry may change on resume"
+            )
 
     @staticmethod
     def _rank_file(folder: Path, rank: int | None = None) -> Path:

@@ -49,9 +49,12 @@ def _add_run(subparsers) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     parser.add_argument("--resume", metavar="auto|URI", help="continue from a checkpoint: auto = the newest verified")
     parser.add_argument("--max-iterations", type=int, help="shorthand for run.max_iterations=N")
-    parser.add_argument("--fresh-start", action="store_true",
-                        help="start a new run even if the checkpoint root holds another run's (or only broken) "
-                             "checkpoints; they are kept, never pruned")
+    parser.add_argument(
+        "--fresh-start",
+        action="store_true",
+        help="start a new run even if the checkpoint root holds another run's (or only broken) "
+        "checkpoints; they are kept, never pruned",
+    )
     parser.set_defaults(handler=_run)
 
 
@@ -61,8 +64,9 @@ def _run(args) -> int:
     overrides = list(args.overrides)
     if args.max_iterations is not None:
         overrides.append(f"run.max_iterations={args.max_iterations}")
-    return run_command(args.config, overrides, resume=args.resume, fresh_start=args.fresh_start,
-                       verbosity=args.verbosity)
+    return run_command(
+        args.config, overrides, resume=args.resume, fresh_start=args.fresh_start, verbosity=args.verbosity
+    )
 
 
 def _add_eval(subparsers) -> None:
@@ -93,16 +97,21 @@ def _add_sample(subparsers) -> None:
 def _sample(args) -> int:
     from pipeline.commands import sample_command
 
-    return sample_command(args.config, list(args.overrides), args.prompt, args.checkpoint, args.out, args.seed,
-                          verbosity=args.verbosity)
+    return sample_command(
+        args.config, list(args.overrides), args.prompt, args.checkpoint, args.out, args.seed, verbosity=args.verbosity
+    )
 
 
 def _add_export(subparsers) -> None:
     parser = subparsers.add_parser("export", help="write a checkpoint's policy in the diffusers format (LoRA or full)")
     parser.add_argument("config", help="the run config the checkpoint was trained with")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
-    parser.add_argument("--checkpoint", required=True, metavar="auto|N|URI",
-                        help="auto = the newest verified step, or a step number / step URI in checkpoint.uri")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="auto|N|URI",
+        help="auto = the newest verified step, or a step number / step URI in checkpoint.uri",
+    )
     parser.add_argument("--out", help="output folder (default: <run.output_dir>/exports/step-N)")
     parser.set_defaults(handler=_export)
 
@@ -114,7 +123,9 @@ def _export(args) -> int:
 
 
 def _add_config(subparsers) -> None:
-    parser = subparsers.add_parser("config", help="print the resolved, validated config (defaults filled, secrets masked)")
+    parser = subparsers.add_parser(
+        "config", help="print the resolved, validated config (defaults filled, secrets masked)"
+    )
     parser.add_argument("config", help="run config YAML")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     parser.set_defaults(handler=_config)
@@ -164,12 +175,15 @@ def _version() -> str:
 
 def _add_check_reward(subparsers) -> None:
     parser = subparsers.add_parser("check-reward", help="build a reward, score synthetic videos with real prompts")
-    parser.add_argument("target", metavar="SPEC|CONFIG",
-                        help="run or rewards YAML, or a reward name / package.module:Class")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                        help="config overrides, or the spec's (kwargs.x=1)")
-    parser.add_argument("--data", metavar="SOURCE", help="prompt file (.txt/.jsonl/.csv, path or s3://) instead of "
-                                                        "the config's")
+    parser.add_argument(
+        "target", metavar="SPEC|CONFIG", help="run or rewards YAML, or a reward name / package.module:Class"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key.sub=value", help="config overrides, or the spec's (kwargs.x=1)"
+    )
+    parser.add_argument(
+        "--data", metavar="SOURCE", help="prompt file (.txt/.jsonl/.csv, path or s3://) instead of the config's"
+    )
     parser.add_argument("--videos", type=int, default=4, help="synthetic videos to score (default 4)")
     parser.add_argument("--size", metavar="FxHxW", help="frames x height x width (default: model.kwargs, else 9x64x64)")
     parser.add_argument("--device", help="device for the reward (default: cuda if available, else cpu)")
@@ -180,13 +194,22 @@ def _add_check_reward(subparsers) -> None:
 def _check_reward(args) -> int:
     from pipeline.check_reward import check_reward, parse_size
 
-    return check_reward(args.target, list(args.overrides), data=args.data, num_videos=args.videos,
-                        size=parse_size(args.size) if args.size else None, device=args.device, seed=args.seed)
+    return check_reward(
+        args.target,
+        list(args.overrides),
+        data=args.data,
+        num_videos=args.videos,
+        size=parse_size(args.size) if args.size else None,
+        device=args.device,
+        seed=args.seed,
+    )
 
 
 def _add_preflight(subparsers) -> None:
-    parser = subparsers.add_parser("preflight", help="two short iterations of the real run on this node: pass/fail "
-                                                     "checks to run before spending GPU-hours")
+    parser = subparsers.add_parser(
+        "preflight",
+        help="two short iterations of the real run on this node: pass/fail checks to run before spending GPU-hours",
+    )
     parser.add_argument("config", help="run config YAML")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     parser.set_defaults(handler=_preflight)
@@ -216,7 +239,6 @@ def _add_serve_reward(subparsers) -> None:
 
 def _serve_reward(args) -> int:
     import torch
-
     from pydantic import ValidationError
 
     from core.config_loading import one_line
@@ -225,14 +247,21 @@ def _serve_reward(args) -> int:
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     try:
-        settings = ServerSettings(max_body_mb=args.max_body_mb, workers=args.workers, read_timeout_s=args.read_timeout,
-                                  request_timeout_s=args.request_timeout, max_batch=args.max_batch,
-                                  token_env=args.token_env, token_file=args.token_file)
+        settings = ServerSettings(
+            max_body_mb=args.max_body_mb,
+            workers=args.workers,
+            read_timeout_s=args.read_timeout,
+            request_timeout_s=args.request_timeout,
+            max_batch=args.max_batch,
+            token_env=args.token_env,
+            token_file=args.token_file,
+        )
     except ValidationError as error:
         raise UserError(f"serve-reward: {one_line(error)}") from None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     serve(load_reward_specs(args.config), args.host, args.port, device, settings)
     return 0
 
@@ -258,15 +287,23 @@ def _plan(args) -> int:
 
 def _add_promote(subparsers) -> None:
     parser = subparsers.add_parser("promote", help="move the champion alias to a model version that passes the gate")
-    parser.add_argument("--config", help="run config YAML: its registry section (model name, primary metric, margin, "
-                                         "guards) and tracking URI are the gate's defaults; the flags below win")
+    parser.add_argument(
+        "--config",
+        help="run config YAML: its registry section (model name, primary metric, margin, "
+        "guards) and tracking URI are the gate's defaults; the flags below win",
+    )
     parser.add_argument("--model", help="registered model name (default: the config's registry.model_name)")
     parser.add_argument("--version", help="model version to judge (default: the challenger)")
     parser.add_argument("--primary-metric", help="default: registry.primary_metric, eval/reward")
-    parser.add_argument("--margin", type=float, help="the primary metric must improve by more (default: "
-                                                     "registry.margin, 0)")
-    parser.add_argument("--guard", action="append", metavar="METRIC=TOL",
-                        help="largest allowed drop of a metric; repeatable (default: registry.guards)")
+    parser.add_argument(
+        "--margin", type=float, help="the primary metric must improve by more (default: registry.margin, 0)"
+    )
+    parser.add_argument(
+        "--guard",
+        action="append",
+        metavar="METRIC=TOL",
+        help="largest allowed drop of a metric; repeatable (default: registry.guards)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the decision, change nothing")
     parser.add_argument("--tracking-uri", help="MLflow server (default: tracking.tracking_uri, MLFLOW_TRACKING_URI)")
     parser.set_defaults(handler=_promote)
@@ -287,9 +324,15 @@ def _promote(args) -> int:
     if not margin >= 0:
         raise UserError(f"--margin must be >= 0, got {margin}")
     tracking_uri = args.tracking_uri or (config.tracking.tracking_uri if config else None)
-    decision = promote(MlflowClient(tracking_uri=tracking_uri), model, version=args.version,
-                       primary_metric=args.primary_metric or settings.primary_metric, min_improvement=margin,
-                       guarded=parse_guards(args.guard) if args.guard else settings.guards, dry_run=args.dry_run)
+    decision = promote(
+        MlflowClient(tracking_uri=tracking_uri),
+        model,
+        version=args.version,
+        primary_metric=args.primary_metric or settings.primary_metric,
+        min_improvement=margin,
+        guarded=parse_guards(args.guard) if args.guard else settings.guards,
+        dry_run=args.dry_run,
+    )
     print(decision.summary())
     return 0
 
@@ -311,14 +354,22 @@ def _parse_guard(spec: str) -> tuple[str, float]:
 
 
 def _add_schedule(subparsers) -> None:
-    parser = subparsers.add_parser("schedule", help="the scheduled run: newest prompts, train (registers the challenger), promote")
+    parser = subparsers.add_parser(
+        "schedule", help="the scheduled run: newest prompts, train (registers the challenger), promote"
+    )
     parser.add_argument("config", nargs="?", help="run config YAML (or --config CONFIG)")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                        help="config overrides for training (the schedule's own keys come after and win)")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key.sub=value",
+        help="config overrides for training (the schedule's own keys come after and win)",
+    )
     parser.add_argument("--config", dest="config_option", metavar="CONFIG", help=argparse.SUPPRESS)
-    parser.add_argument("--prompts", required=True,
-                        help="folder or s3:// prefix of prompt files, one per set, the newest sorting last "
-                             "(e.g. 2026-12-02.jsonl)")
+    parser.add_argument(
+        "--prompts",
+        required=True,
+        help="folder or s3:// prefix of prompt files, one per set, the newest sorting last (e.g. 2026-12-02.jsonl)",
+    )
     parser.add_argument("--checkpoint-root", required=True, help="folder or s3:// prefix of the scheduled runs")
     parser.add_argument("--model", required=True, help="registered model name for promotion")
     parser.add_argument("--work-dir", default="/cache/runs", help="local folder for outputs and caches")
@@ -335,9 +386,19 @@ def _schedule(args) -> int:
         args.config, args.overrides = None, [args.config, *args.overrides]
     if bool(args.config) == bool(args.config_option):
         raise UserError("schedule: give the run config once, as `sagegrpo schedule CONFIG ...` (or --config CONFIG)")
-    return run_schedule(ScheduleOptions(args.config or args.config_option, args.prompts, args.checkpoint_root,
-                                        args.model, args.work_dir, args.nproc_per_node, args.date, args.dry_run,
-                                        tuple(args.overrides)))
+    return run_schedule(
+        ScheduleOptions(
+            args.config or args.config_option,
+            args.prompts,
+            args.checkpoint_root,
+            args.model,
+            args.work_dir,
+            args.nproc_per_node,
+            args.date,
+            args.dry_run,
+            tuple(args.overrides),
+        )
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -346,10 +407,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     noise = parser.add_mutually_exclusive_group()
-    noise.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=1, default=0,
-                       help="show the libraries' own logs and warnings too")
-    noise.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const=-1,
-                       help="warnings and errors only")
+    noise.add_argument(
+        "-v",
+        "--verbose",
+        dest="verbosity",
+        action="store_const",
+        const=1,
+        default=0,
+        help="show the libraries' own logs and warnings too",
+    )
+    noise.add_argument(
+        "-q", "--quiet", dest="verbosity", action="store_const", const=-1, help="warnings and errors only"
+    )
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_run(subparsers)
     _add_eval(subparsers)
@@ -384,8 +453,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sagegrpo: error: {error}", file=sys.stderr)
         return UserError.exit_code
     except StoreUnavailable as error:
-        print(f"sagegrpo: checkpoint store unavailable (retryable, restart with --resume auto): {error}",
-              file=sys.stderr)
+        print(
+            f"sagegrpo: checkpoint store unavailable (retryable, restart with --resume auto): {error}", file=sys.stderr
+        )
         return StoreUnavailable.exit_code
     except KeyboardInterrupt:
         print("sagegrpo: interrupted", file=sys.stderr)

@@ -17,8 +17,19 @@ from core.secrets import mask_uri
 from pipeline.config import RunConfig, load_run_config
 
 # Libraries whose start-up chatter and deprecation notices are not the user's to act on (at the default verbosity).
-THIRD_PARTY = ("DeepSpeed", "deepspeed", "torch", "urllib3", "alembic", "mlflow", "diffusers", "transformers",
-               "botocore", "peft", "huggingface_hub")
+THIRD_PARTY = (
+    "DeepSpeed",
+    "deepspeed",
+    "torch",
+    "urllib3",
+    "alembic",
+    "mlflow",
+    "diffusers",
+    "transformers",
+    "botocore",
+    "peft",
+    "huggingface_hub",
+)
 
 
 def setup_logging(verbosity: int = 0) -> None:
@@ -43,8 +54,9 @@ def setup_logging(verbosity: int = 0) -> None:
         warnings.filterwarnings("ignore", category=category, module=rf"({modules})(\.|$)")
 
 
-def run_command(config_path: str, overrides: list[str], *, resume: str | None, fresh_start: bool = False,
-                verbosity: int = 0) -> int:
+def run_command(
+    config_path: str, overrides: list[str], *, resume: str | None, fresh_start: bool = False, verbosity: int = 0
+) -> int:
     config = load_run_config(config_path, overrides)
     setup_logging(verbosity)
     from pipeline.recipe import SageGRPORecipe
@@ -71,8 +83,10 @@ def _summary_text(config: RunConfig, summary) -> str:
         lines.append(f"  reward:      {first['reward/mean']:.4f} (first iteration) -> {last['reward/mean']:.4f} (last)")
         unscored = [h["iteration"] for h in summary.history if math.isnan(h["reward/mean"])]
         if unscored:
-            lines.append(f"  WARNING:     no sample was scored in iteration(s) {unscored[:10]}: reward nan, nothing "
-                         "learned there (see reward/failed_samples)")
+            lines.append(
+                f"  WARNING:     no sample was scored in iteration(s) {unscored[:10]}: reward nan, nothing "
+                "learned there (see reward/failed_samples)"
+            )
     if summary.tracking_uri:
         lines.append(f"  MLflow run:  {summary.run_id} at {mask_uri(summary.tracking_uri)}")
         if summary.tracking_uri.startswith("sqlite:"):
@@ -92,8 +106,15 @@ def eval_command(config_path: str, overrides: list[str], checkpoint: str, verbos
     return 0
 
 
-def sample_command(config_path: str, overrides: list[str], prompts: list[str], checkpoint: str | None, out: str,
-                   seed: int, verbosity: int = 0) -> int:
+def sample_command(
+    config_path: str,
+    overrides: list[str],
+    prompts: list[str],
+    checkpoint: str | None,
+    out: str,
+    seed: int,
+    verbosity: int = 0,
+) -> int:
     """Prints one ``path<TAB>prompt`` line per video, the only thing on stdout."""
     with contextlib.redirect_stdout(sys.stderr):
         paths = _recipe_with_policy(config_path, overrides, checkpoint, verbosity).sample(prompts, seed, Path(out))
@@ -102,8 +123,7 @@ def sample_command(config_path: str, overrides: list[str], prompts: list[str], c
     return 0
 
 
-def export_command(config_path: str, overrides: list[str], checkpoint: str, out: str | None,
-                   verbosity: int = 0) -> int:
+def export_command(config_path: str, overrides: list[str], checkpoint: str, out: str | None, verbosity: int = 0) -> int:
     """The diffusers-format export of any checkpoint (``auto``: the newest verified one); prints its folder."""
     with contextlib.redirect_stdout(sys.stderr):
         recipe = _recipe_with_policy(config_path, overrides, checkpoint, verbosity)

@@ -31,7 +31,7 @@ class _Section(BaseModel):
 class RunSection(_Section):
     """The ``run`` section: this application's own keys (every other section lives beside its component)."""
 
-    name: str = "sage-grpo"                   # the MLflow run's name (unless tracking.run_name)
+    name: str = "sage-grpo"  # the MLflow run's name (unless tracking.run_name)
     output_dir: str = "runs/sage-grpo"
     max_iterations: int = Field(10, ge=1, le=10_000_000)
     time_budget_minutes: float | None = Field(None, gt=0)
@@ -42,7 +42,7 @@ class RunSection(_Section):
 
 
 class RunConfig(_Section):
-    seed: int = Field(0, ge=0, lt=2**63)      # torch and the per-sample generators take a non-negative int64
+    seed: int = Field(0, ge=0, lt=2**63)  # torch and the per-sample generators take a non-negative int64
     run: RunSection = Field(default_factory=RunSection)
     model: ModelConfig = Field(default_factory=ModelConfig)
     sde: SDEConfig = Field(default_factory=SDEConfig)
@@ -66,17 +66,23 @@ class RunConfig(_Section):
             raise ValueError(f"lora.{sorted(lora_keys)[0]} is set but lora.enabled is false")
         samples = self.rollout.prompts_per_rank * self.rollout.group_size
         if samples % self.update.micro_batch_size:
-            raise ValueError(f"update.micro_batch_size={self.update.micro_batch_size} does not divide the "
-                             f"{samples} samples per rank (rollout.prompts_per_rank x rollout.group_size)")
+            raise ValueError(
+                f"update.micro_batch_size={self.update.micro_batch_size} does not divide the "
+                f"{samples} samples per rank (rollout.prompts_per_rank x rollout.group_size)"
+            )
         if self.registry.model_name and not self.tracking.enabled:
             raise ValueError("registry.model_name needs tracking.enabled: versions are registered in MLflow")
         if self.sde.variant == "ode":
             raise ValueError("sde.variant=ode has no log-probabilities to train on; use dance, flow, cps or sage")
         trained = int(self.sde.trained_steps_mask().sum())
         # The JSON against this run's values (the world size is checked when the engine is built).
-        deepspeed_config(self.deepspeed.config, micro_batch_size=self.update.micro_batch_size,
-                         accumulation_steps=self.update.accumulation_steps(samples, trained),
-                         max_grad_norm=self.update.max_grad_norm, bf16=self.deepspeed.use_bf16())
+        deepspeed_config(
+            self.deepspeed.config,
+            micro_batch_size=self.update.micro_batch_size,
+            accumulation_steps=self.update.accumulation_steps(samples, trained),
+            max_grad_norm=self.update.max_grad_norm,
+            bf16=self.deepspeed.use_bf16(),
+        )
         return self
 
     @property

@@ -1,4 +1,5 @@
-"""torchrun for schedulers that restart on an exit code: ``python -m pipeline.launch [--retry-exit-code N] TORCHRUN-ARGS``.
+"""torchrun for schedulers that restart on an exit code:
+``python -m pipeline.launch [--retry-exit-code N] TORCHRUN-ARGS``.
 
 torchrun itself exits 1 whenever a worker fails, whatever the worker's status, so the status 75 with which a run
 reports "checkpointed on SIGTERM/SIGUSR1, restart me" (pipeline/errors.py) would reach Kubernetes or Slurm as an
@@ -40,8 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     ours = argparse.ArgumentParser(prog="python -m pipeline.launch", add_help=False, allow_abbrev=False)
-    ours.add_argument("--retry-exit-code", type=int, default=RETRYABLE_EXIT_CODE,
-                      help="status for a run to restart (Kubeflow's ExitCode policy restarts only >= 128)")
+    ours.add_argument(
+        "--retry-exit-code",
+        type=int,
+        default=RETRYABLE_EXIT_CODE,
+        help="status for a run to restart (Kubeflow's ExitCode policy restarts only >= 128)",
+    )
     args, torchrun_argv = ours.parse_known_args(argv)
     try:
         run(parse_args(torchrun_argv))

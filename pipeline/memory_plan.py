@@ -150,8 +150,12 @@ def model_states(
     frozen = param_count - trainable_count
     if zero_stage == 3:
         cpu, gpu, gathered = estimate_zero3_model_states_mem_needs(
-            trainable_count, largest_layer_params, gpus_per_node, nodes,
-            cpu_offload=offload_optimizer, cpu_offload_params=offload_param,
+            trainable_count,
+            largest_layer_params,
+            gpus_per_node,
+            nodes,
+            cpu_offload=offload_optimizer,
+            cpu_offload_params=offload_param,
         )
         if offload_param:
             # Everything partitioned lives in host memory; each node holds its GPUs' shards of the frozen weights.
@@ -236,11 +240,13 @@ class MemoryPlan:
         offload = [name for name, on in (("optimizer", self.offload_optimizer), ("params", self.offload_param)) if on]
         mode = f"LoRA ({self.trainable_count / 1e6:.1f}M trainable)" if self.lora else "full fine-tuning"
         checkpointing = "on" if self.grad_checkpointing else "off"
-        alternative = (self.activations_without_checkpointing if self.grad_checkpointing
-                       else self.activations_with_checkpointing)
+        alternative = (
+            self.activations_without_checkpointing if self.grad_checkpointing else self.activations_with_checkpointing
+        )
         lines = [
             f"model: {self.param_count / 1e9:.2f}B parameters, {mode}",
-            f"setup: {self.nodes} node(s) x {self.gpus_per_node} GPU(s) of {self.gpu_mem_gb:g} GB, ZeRO-{self.zero_stage}"
+            f"setup: {self.nodes} node(s) x {self.gpus_per_node} GPU(s) of {self.gpu_mem_gb:g} GB, "
+            f"ZeRO-{self.zero_stage}"
             f", offload: {', '.join(offload) or 'none'}",
             f"video: {self.frames} frames {self.height}x{self.width} -> {self.tokens} tokens per sequence, "
             f"{self.batch} sequence(s) per forward",
@@ -300,16 +306,36 @@ def plan(
 
     def at(node_count: int) -> MemoryPlan:
         return MemoryPlan(
-            param_count=param_count, trainable_count=trainable_count, zero_stage=zero_stage,
-            offload_optimizer=offload_optimizer, offload_param=offload_param, lora=lora,
-            gpus_per_node=gpus_per_node, nodes=node_count, gpu_mem_gb=gpu_mem_gb,
-            frames=frames, height=height, width=width, tokens=tokens, batch=batch,
+            param_count=param_count,
+            trainable_count=trainable_count,
+            zero_stage=zero_stage,
+            offload_optimizer=offload_optimizer,
+            offload_param=offload_param,
+            lora=lora,
+            gpus_per_node=gpus_per_node,
+            nodes=node_count,
+            gpu_mem_gb=gpu_mem_gb,
+            frames=frames,
+            height=height,
+            width=width,
+            tokens=tokens,
+            batch=batch,
             grad_checkpointing=grad_checkpointing,
-            states=model_states(param_count, trainable_count, largest_layer_params, zero_stage,
-                                offload_optimizer, offload_param, gpus_per_node, node_count),
+            states=model_states(
+                param_count,
+                trainable_count,
+                largest_layer_params,
+                zero_stage,
+                offload_optimizer,
+                offload_param,
+                gpus_per_node,
+                node_count,
+            ),
             anchor=anchor_bytes(trainable_count, zero_stage, offload_param, anchor_offload, gpus_per_node * node_count),
-            activations_with_checkpointing=activations[True], activations_without_checkpointing=activations[False],
-            reserve=int(reserve_gb * GIB), min_nodes=None,
+            activations_with_checkpointing=activations[True],
+            activations_without_checkpointing=activations[False],
+            reserve=int(reserve_gb * GIB),
+            min_nodes=None,
         )
 
     min_nodes = next((n for n in range(1, max_nodes + 1) if at(n).fits), None)
@@ -338,8 +364,9 @@ def _transformer_config(pretrained: str | None) -> dict | None:
     return json.loads(config_path.read_text())
 
 
-def plan_from_config(config_path: str | Path, gpus_per_node: int, nodes: int, gpu_mem_gb: float,
-                     overrides: list[str] = ()) -> MemoryPlan:
+def plan_from_config(
+    config_path: str | Path, gpus_per_node: int, nodes: int, gpu_mem_gb: float, overrides: list[str] = ()
+) -> MemoryPlan:
     """The plan for a run config, validated by the run schema (``pipeline.config``) with ``key=value`` overrides."""
     from pipeline.config import load_run_config
 
@@ -350,18 +377,30 @@ def plan_for(config, gpus_per_node: int, nodes: int, gpu_mem_gb: float) -> Memor
     """The plan for a validated run config (``pipeline.config.RunConfig``)."""
     model, update = config.model, config.update
     if "hunyuan" not in model.name.lower() or model.name.lower().startswith("tiny"):
-        raise UserError(f"model.name {model.name!r}: the planner only models the HunyuanVideo 1.5 transformer "
-                        "(hunyuan15)")
+        raise UserError(
+            f"model.name {model.name!r}: the planner only models the HunyuanVideo 1.5 transformer (hunyuan15)"
+        )
     shape = hunyuanvideo15_shape(_transformer_config(model.pretrained), config.lora)
     zero_stage, offload_optimizer, offload_param = _zero_settings(config.deepspeed.config)
     video = model.kwargs
     cfg_branches = 2 if model.guidance_scale > 1 else 1
     return plan(
-        shape.param_count, shape.trainable_count, zero_stage, offload_optimizer, offload_param, config.lora.enabled,
-        gpus_per_node, nodes, gpu_mem_gb,
-        int(video.get("num_frames", 81)), int(video.get("height", 480)), int(video.get("width", 848)),
+        shape.param_count,
+        shape.trainable_count,
+        zero_stage,
+        offload_optimizer,
+        offload_param,
+        config.lora.enabled,
+        gpus_per_node,
+        nodes,
+        gpu_mem_gb,
+        int(video.get("num_frames", 81)),
+        int(video.get("height", 480)),
+        int(video.get("width", 848)),
         update.gradient_checkpointing,
-        largest_layer_params=shape.largest_layer_params, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
+        largest_layer_params=shape.largest_layer_params,
+        hidden_size=shape.hidden_size,
+        num_layers=shape.num_layers,
         batch=update.micro_batch_size * cfg_branches,
         anchor_offload=config.trust_region.anchor_offload,
     )

@@ -35,7 +35,7 @@ KL_GRAD_RATIO_BAND = (0.01, 0.3)
 @dataclass
 class Check:
     name: str
-    passed: bool | None   # None: does not apply here (e.g. GPU memory on a CPU)
+    passed: bool | None  # None: does not apply here (e.g. GPU memory on a CPU)
     detail: str
 
     @property
@@ -53,9 +53,15 @@ def preflight(config_path: str, overrides: list[str]) -> list[Check]:
 
 
 def _trial_overrides(scratch: Path) -> list[str]:
-    return [f"run.output_dir={scratch}", "run.max_iterations=2", "tracking.enabled=false",
-            f"checkpoint.uri={scratch / 'checkpoints'}", "eval.every=0", "registry.model_name=null",
-            "trust_region.kl_grad_ratio_every=1"]
+    return [
+        f"run.output_dir={scratch}",
+        "run.max_iterations=2",
+        "tracking.enabled=false",
+        f"checkpoint.uri={scratch / 'checkpoints'}",
+        "eval.every=0",
+        "registry.model_name=null",
+        "trust_region.kl_grad_ratio_every=1",
+    ]
 
 
 def schedule_check(config: RunConfig) -> Check:
@@ -80,8 +86,10 @@ def _trial_checks(trial: RunConfig, planned: RunConfig) -> list[Check]:
         first = _timed_step(recipe)
         second = _timed_step(recipe)
     except Exception as error:  # noqa: BLE001 - whatever stops the first iterations is the finding
-        return [device_check(recipe),
-                Check("first iterations", False, f"{type(error).__name__}: {str(error).splitlines()[0]}")]
+        return [
+            device_check(recipe),
+            Check("first iterations", False, f"{type(error).__name__}: {str(error).splitlines()[0]}"),
+        ]
     return [
         device_check(recipe),
         reward_check(first, len(trial.rewards)),
@@ -111,35 +119,55 @@ def device_check(recipe) -> Check:
 def reward_check(metrics: dict[str, float], rewards: int) -> Check:
     failed, total = metrics["reward/failed_samples"], metrics["reward/mean"]
     ok = failed == 0 and math.isfinite(total)
-    dimensions = sorted(k[len("reward/"):-len("/mean")] for k in metrics
-                        if k.startswith("reward/") and k.endswith("/mean") and k != "reward/mean")
-    return Check("rewards", ok, f"{rewards} reward(s), dimensions {dimensions}, {failed:g} failed samples, "
-                                f"mean total {total:.4g}")
+    dimensions = sorted(
+        k[len("reward/") : -len("/mean")]
+        for k in metrics
+        if k.startswith("reward/") and k.endswith("/mean") and k != "reward/mean"
+    )
+    return Check(
+        "rewards",
+        ok,
+        f"{rewards} reward(s), dimensions {dimensions}, {failed:g} failed samples, mean total {total:.4g}",
+    )
 
 
 def on_policy_check(metrics: dict[str, float]) -> Check:
     if "update/logprob_mismatch" not in metrics:  # several updates per rollout: off-policy after the first, by design
         return Check("on-policy first update", None, "update.updates_per_rollout > 1: the ratio leaves 1 on purpose")
     mismatch = metrics["update/logprob_mismatch"]
-    return Check("on-policy first update", mismatch <= ON_POLICY_TOLERANCE,
-                 f"largest |log ratio| {mismatch:.3g} (tolerance {ON_POLICY_TOLERANCE:g}; nothing clipped below "
-                 "update.clip_range)")
+    return Check(
+        "on-policy first update",
+        mismatch <= ON_POLICY_TOLERANCE,
+        f"largest |log ratio| {mismatch:.3g} (tolerance {ON_POLICY_TOLERANCE:g}; nothing clipped below "
+        "update.clip_range)",
+    )
 
 
 def kl_ratio_check(metrics: dict[str, float], config: RunConfig) -> Check:
     if config.trust_region.strategy == "none":
         return Check("trust region acts", None, "trust_region.strategy is none")
     if "update/kl_grad_ratio" not in metrics:
-        return Check("trust region acts", None, "measured only under ZeRO-3 (DeepSpeed's gradient hooks): run "
-                                                "preflight with a ZeRO-3 config, the ratio does not depend on it")
+        return Check(
+            "trust region acts",
+            None,
+            "measured only under ZeRO-3 (DeepSpeed's gradient hooks): run "
+            "preflight with a ZeRO-3 config, the ratio does not depend on it",
+        )
     ratio = metrics["update/kl_grad_ratio"]
     if math.isnan(ratio) and distributed.world_size() > 1 and not config.lora.enabled:
         # torch.autograd.grad sees zeros for parameters ZeRO-3 partitions across ranks (stages/update.py).
-        return Check("trust region acts", None, "not measurable for full fine-tuning on several ranks: run "
-                                                "preflight with one process (the ratio does not depend on scale)")
+        return Check(
+            "trust region acts",
+            None,
+            "not measurable for full fine-tuning on several ranks: run "
+            "preflight with one process (the ratio does not depend on scale)",
+        )
     low, high = KL_GRAD_RATIO_BAND
-    return Check("trust region acts", low <= ratio <= high,
-                 f"|lambda grad KL| / |grad policy| = {ratio:.3g} on the second update (band {low:g}-{high:g})")
+    return Check(
+        "trust region acts",
+        low <= ratio <= high,
+        f"|lambda grad KL| / |grad policy| = {ratio:.3g} on the second update (band {low:g}-{high:g})",
+    )
 
 
 def memory_check(config: RunConfig) -> Check:
@@ -170,7 +198,7 @@ def _planned_gb(config: RunConfig) -> float | None:
 def time_check(metrics: dict[str, float], config: RunConfig) -> Check:
     seconds = metrics["time/iteration"]
     hours = seconds * config.run.max_iterations / 3600
-    stages = ", ".join(f"{k[len('time/'):]} {metrics[k]:.2f}s" for k in ("time/rollout", "time/score", "time/update"))
+    stages = ", ".join(f"{k[len('time/') :]} {metrics[k]:.2f}s" for k in ("time/rollout", "time/score", "time/update"))
     gpus = distributed.world_size() if torch.cuda.is_available() else 0
     projected = f"projected {hours:.2f} h for {config.run.max_iterations} iterations"
     if gpus:

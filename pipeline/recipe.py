@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunSummary:
-    status: str                     # "completed", "preempted" or "time_budget"
+    status: str  # "completed", "preempted" or "time_budget"
     iterations: int
     output_dir: Path
     checkpoint: str | None
@@ -82,8 +82,12 @@ class Progress:
     last_eval: dict[str, float] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"iteration": self.iteration, "mlflow_run_id": self.mlflow_run_id or "", "history": self.history,
-                "last_eval": self.last_eval}
+        return {
+            "iteration": self.iteration,
+            "mlflow_run_id": self.mlflow_run_id or "",
+            "history": self.history,
+            "last_eval": self.last_eval,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iteration, self.history, self.last_eval = state["iteration"], state["history"], state["last_eval"]
@@ -112,18 +116,28 @@ class SageGRPORecipe:
             (config.output_dir / "config.json").write_text(json.dumps(masked_config(config), indent=2))
         self._setup_prompts()
         if len(self.train_prompts) < config.rollout.prompts_per_rank * distributed.world_size():
-            raise UserError(f"{len(self.train_prompts)} training prompts cannot fill rollout.prompts_per_rank="
-                            f"{config.rollout.prompts_per_rank} on {distributed.world_size()} rank(s)")
+            raise UserError(
+                f"{len(self.train_prompts)} training prompts cannot fill rollout.prompts_per_rank="
+                f"{config.rollout.prompts_per_rank} on {distributed.world_size()} rank(s)"
+            )
         # Rewards before the model: a reward that cannot be built, or needs a column no prompt has, stops the run
         # before minutes of model loading.
         self.scorer = self._build_scorer()
         self.scorer.check_metadata([p.metadata for p in self.prompt_set.train])
         self.eval_scorer = self._build_scorer(evaluation=True) if self.eval_prompts and config.eval.every else None
         self._setup_policy()
-        self.sampler = PromptSampler(len(self.train_prompts), config.rollout.prompts_per_rank, distributed.rank(),
-                                     distributed.world_size(), config.seed)
-        self.checkpointer = Checkpointer(config, self.policy.engine, {
-            "updater": self.policy.updater, "sampler": self.sampler, "progress": self.progress, "rng": RNGState()})
+        self.sampler = PromptSampler(
+            len(self.train_prompts),
+            config.rollout.prompts_per_rank,
+            distributed.rank(),
+            distributed.world_size(),
+            config.seed,
+        )
+        self.checkpointer = Checkpointer(
+            config,
+            self.policy.engine,
+            {"updater": self.policy.updater, "sampler": self.sampler, "progress": self.progress, "rng": RNGState()},
+        )
         if resume:
             self.checkpointer.load(resume, fresh_start=fresh_start)
         self.checkpointer.claim(fresh_start=fresh_start)
@@ -131,8 +145,9 @@ class SageGRPORecipe:
         tracking = config.tracking.model_copy(update={"run_name": config.tracking.run_name or config.run.name})
         self.tracker = Tracker(tracking, config.output_dir)
         if distributed.is_main():
-            self.progress.mlflow_run_id = self.tracker.start(config, run_id=self.progress.mlflow_run_id,
-                                                             identity=self.checkpointer.run_id)
+            self.progress.mlflow_run_id = self.tracker.start(
+                config, run_id=self.progress.mlflow_run_id, identity=self.checkpointer.run_id
+            )
             self.tracker.describe(tags=self._run_tags(), params=self._derived_params())
             self.tracker.log_prompt_set(self.prompt_set, config.data.source)
         # Iterations past the restored one are re-executed (identically): neither MLflow nor the audit repeats them.
@@ -144,33 +159,40 @@ class SageGRPORecipe:
 
     def _run_tags(self) -> dict[str, str]:
         config = self.config
-        return {"model": config.model.pretrained or config.model.name, "sampler": config.sde.variant,
-                "trust_region.strategy": config.trust_region.strategy.value,
-                "trust_region.preset": config.trust_region.preset,
-                "finetuning": "lora" if config.lora.enabled else "full"}
+        return {
+            "model": config.model.pretrained or config.model.name,
+            "sampler": config.sde.variant,
+            "trust_region.strategy": config.trust_region.strategy.value,
+            "trust_region.preset": config.trust_region.preset,
+            "finetuning": "lora" if config.lora.enabled else "full",
+        }
 
     def _derived_params(self) -> dict[str, int]:
         """What the config implies at this scale: the numbers a comparison between runs needs."""
         config, module = self.config, self.policy.engine.module
         samples = config.rollout.prompts_per_rank * config.rollout.group_size
-        return {"derived.world_size": distributed.world_size(),
-                "derived.effective_batch": samples * distributed.world_size(),
-                "derived.trainable_parameters": sum(_numel(p) for p in module.parameters() if p.requires_grad),
-                "derived.total_parameters": sum(_numel(p) for p in module.parameters()),
-                "derived.trained_steps": int(config.sde.trained_steps_mask().sum())}
+        return {
+            "derived.world_size": distributed.world_size(),
+            "derived.effective_batch": samples * distributed.world_size(),
+            "derived.trainable_parameters": sum(_numel(p) for p in module.parameters() if p.requires_grad),
+            "derived.total_parameters": sum(_numel(p) for p in module.parameters()),
+            "derived.trained_steps": int(config.sde.trained_steps_mask().sum()),
+        }
 
     def header(self) -> str:
         """What a person checks before walking away from a run: scale, batch, what trains, how long."""
         config, derived = self.config, self._derived_params()
         samples = config.rollout.prompts_per_rank * config.rollout.group_size
         start = f"resuming after iteration {self.progress.iteration}" if self.progress.iteration else "from the start"
-        return (f"run {config.run.name}: {distributed.world_size()} rank(s) x {samples} samples "
-                f"({config.rollout.prompts_per_rank} prompts x G={config.rollout.group_size}) = "
-                f"{derived['derived.effective_batch']} videos per iteration; {derived['derived.trained_steps']} of "
-                f"{config.sde.steps} steps trained; {derived['derived.trainable_parameters']:,} of "
-                f"{derived['derived.total_parameters']:,} parameters trainable "
-                f"({'LoRA' if config.lora.enabled else 'full'}); iterations {self.progress.iteration + 1}.."
-                f"{config.run.max_iterations} ({start})")
+        return (
+            f"run {config.run.name}: {distributed.world_size()} rank(s) x {samples} samples "
+            f"({config.rollout.prompts_per_rank} prompts x G={config.rollout.group_size}) = "
+            f"{derived['derived.effective_batch']} videos per iteration; {derived['derived.trained_steps']} of "
+            f"{config.sde.steps} steps trained; {derived['derived.trainable_parameters']:,} of "
+            f"{derived['derived.total_parameters']:,} parameters trainable "
+            f"({'LoRA' if config.lora.enabled else 'full'}); iterations {self.progress.iteration + 1}.."
+            f"{config.run.max_iterations} ({start})"
+        )
 
     def setup_policy(self, checkpoint: str | None = None) -> None:
         """Only what evaluating or sampling a (saved) policy needs; nothing is logged to MLflow."""
@@ -182,7 +204,8 @@ class SageGRPORecipe:
         self.checkpoint_name = "initial"
         if checkpoint:
             step = Checkpointer(self.config, self.policy.engine, {"updater": self.policy.updater}).load(
-                checkpoint, same_run=False, require=True)
+                checkpoint, same_run=False, require=True
+            )
             self.checkpoint_name = f"step-{step}"
 
     def _setup_prompts(self) -> None:
@@ -195,8 +218,9 @@ class SageGRPORecipe:
 
     def _setup_policy(self) -> None:
         self.policy = build_policy(self.config)
-        self.embeddings = CachedEmbeddings(EmbeddingCache(self.config.output_dir / "embedding-cache"),
-                                           self.policy.adapter)
+        self.embeddings = CachedEmbeddings(
+            EmbeddingCache(self.config.output_dir / "embedding-cache"), self.policy.adapter
+        )
 
     def _build_scorer(self, *, evaluation: bool = False) -> Scorer:
         config = self.config
@@ -220,8 +244,14 @@ class SageGRPORecipe:
     def _train(self) -> RunSummary:
         config, progress = self.config, self.progress
         status, started = "completed", time.monotonic()
-        bar = tqdm(total=config.run.max_iterations, initial=progress.iteration, desc="iterations", unit="it",
-                   disable=not distributed.is_main(), dynamic_ncols=True)
+        bar = tqdm(
+            total=config.run.max_iterations,
+            initial=progress.iteration,
+            desc="iterations",
+            unit="it",
+            disable=not distributed.is_main(),
+            dynamic_ncols=True,
+        )
         with preemption_signals(config.run.preemption_grace_s) as preempted, bar, logging_redirect_tqdm():
             while progress.iteration < config.run.max_iterations:
                 metrics = self.train_step()
@@ -231,11 +261,16 @@ class SageGRPORecipe:
                 bar.update()
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", refresh=False)
 
-                out_of_time = config.run.time_budget_minutes is not None and \
-                    time.monotonic() - started > 60 * config.run.time_budget_minutes
+                out_of_time = (
+                    config.run.time_budget_minutes is not None
+                    and time.monotonic() - started > 60 * config.run.time_budget_minutes
+                )
                 stop = distributed.any_rank(preempted() or out_of_time)
-                self.checkpointer.save(progress.iteration, metrics=progress.evaluated_now(),
-                                       force=stop or progress.iteration == config.run.max_iterations)
+                self.checkpointer.save(
+                    progress.iteration,
+                    metrics=progress.evaluated_now(),
+                    force=stop or progress.iteration == config.run.max_iterations,
+                )
                 if stop:
                     status = "preempted" if preempted() else "time_budget"
                     break
@@ -254,10 +289,17 @@ class SageGRPORecipe:
         # Batch i is scored in a worker thread while batch i+1 is generated; the scores feed this iteration's update
         # only, so the overlap keeps the step on-policy. time/score is the scoring the rollout did not hide.
         with self.scorer.overlapped(sample_prompts, sample_metadata, fps=policy.adapter.fps) as sink:
-            rollout = generate(policy.adapter, batch_prompts, group_size, config.sde,
-                               iteration_seed(config.seed, self.progress.iteration), prompt_ids=prompt_ids,
-                               batch_size=config.update.micro_batch_size, embeddings=self.embeddings(batch_prompts),
-                               on_batch=sink.submit)
+            rollout = generate(
+                policy.adapter,
+                batch_prompts,
+                group_size,
+                config.sde,
+                iteration_seed(config.seed, self.progress.iteration),
+                prompt_ids=prompt_ids,
+                batch_size=config.update.micro_batch_size,
+                embeddings=self.embeddings(batch_prompts),
+                on_batch=sink.submit,
+            )
             timings["time/rollout"], clock = time.perf_counter() - clock, time.perf_counter()
             scored = sink.result()
         timings["time/score"], clock = time.perf_counter() - clock, time.perf_counter()
@@ -265,8 +307,12 @@ class SageGRPORecipe:
         advantages = compute_advantages(scored.total, rollout.group_ids, config.update)
         update_metrics = policy.updater.update(rollout, advantages)
         if distributed.is_main():
-            self.last_batch = (rollout.videos, rollout.group_ids.tolist(), list(scored.total),
-                               advantages.values.tolist())
+            self.last_batch = (
+                rollout.videos,
+                rollout.group_ids.tolist(),
+                list(scored.total),
+                advantages.values.tolist(),
+            )
         timings["time/update"] = time.perf_counter() - clock
         self.progress.iteration += 1
         mfu = policy.updater.mfu(rollout, sum(timings.values()))  # None off a GPU of known peak
@@ -274,12 +320,15 @@ class SageGRPORecipe:
             timings["mfu"] = mfu
 
         metrics = reward_metrics(scored) | {f"update/{k}": v for k, v in update_metrics.items()}
-        metrics |= distributed.all_reduce_mean({
-            "advantage/abs_mean": float(advantages.values[advantages.valid].abs().mean()) if advantages.valid.any()
-            else 0.0,
-            "advantage/valid_fraction": float(advantages.valid.float().mean()),
-            **timings,
-        })
+        metrics |= distributed.all_reduce_mean(
+            {
+                "advantage/abs_mean": float(advantages.values[advantages.valid].abs().mean())
+                if advantages.valid.any()
+                else 0.0,
+                "advantage/valid_fraction": float(advantages.valid.float().mean()),
+                **timings,
+            }
+        )
         seconds = sum(value for key, value in timings.items() if key.startswith("time/"))
         metrics["samples_per_second"] = rollout.num_samples * distributed.world_size() / seconds
         return metrics
@@ -292,8 +341,11 @@ class SageGRPORecipe:
         # Late: a run opened after a tracking outage has its id only now, and the next checkpoint must carry it.
         self.progress.mlflow_run_id = self.tracker.run_id or self.progress.mlflow_run_id
         if distributed.is_main():
-            shown = {k: metrics[k] for k in ("reward/mean", "update/kl", "update/lambda_kl", "update/grad_norm",
-                                             "eval/reward") if k in metrics}
+            shown = {
+                k: metrics[k]
+                for k in ("reward/mean", "update/kl", "update/lambda_kl", "update/grad_norm", "eval/reward")
+                if k in metrics
+            }
             logger.info("iteration %d: %s", metrics["iteration"], "  ".join(f"{k}={v:.4g}" for k, v in shown.items()))
 
     # ------------------------------------------------------------------------------------------------------------
@@ -306,12 +358,19 @@ class SageGRPORecipe:
         iteration = self.progress.iteration
         out_dir = self.config.output_dir / "eval" / f"iteration-{iteration:05d}"
         with self.policy.updater.ema_swapped_in():  # the EMA weights when update.ema_decay is set
-            result = evaluation.evaluate(self.policy.adapter, self.eval_prompts, self.config.sde, self.eval_scorer,
-                                         seed=self.config.eval.seed, out_dir=out_dir,
-                                         batch_size=self.config.update.micro_batch_size,
-                                         write_videos=self.config.eval.write_videos, write=distributed.is_main(),
-                                         embeddings=self.embeddings(self.eval_prompts),
-                                         prompt_metadata=self.eval_metadata)
+            result = evaluation.evaluate(
+                self.policy.adapter,
+                self.eval_prompts,
+                self.config.sde,
+                self.eval_scorer,
+                seed=self.config.eval.seed,
+                out_dir=out_dir,
+                batch_size=self.config.update.micro_batch_size,
+                write_videos=self.config.eval.write_videos,
+                write=distributed.is_main(),
+                embeddings=self.embeddings(self.eval_prompts),
+                prompt_metadata=self.eval_metadata,
+            )
         artifact_dir = f"eval/iteration-{iteration:05d}"
         for video in result.videos:
             self.tracker.log_artifact(video, artifact_dir)
@@ -323,13 +382,22 @@ class SageGRPORecipe:
     def sample(self, prompts: list[str], seed: int, out_dir: Path) -> list[Path]:
         """One deterministic (ODE) video per prompt, written by rank 0."""
         deterministic = SDEConfig(variant="ode", steps=self.config.sde.steps, shift=self.config.sde.shift)
-        rollout = generate(self.policy.adapter, prompts, 1, deterministic, seed,
-                           batch_size=self.config.update.micro_batch_size, embeddings=self.embeddings(prompts))
+        rollout = generate(
+            self.policy.adapter,
+            prompts,
+            1,
+            deterministic,
+            seed,
+            batch_size=self.config.update.micro_batch_size,
+            embeddings=self.embeddings(prompts),
+        )
         if not distributed.is_main():
             return []
         out_dir.mkdir(parents=True, exist_ok=True)
         fps = self.policy.adapter.fps
-        return [evaluation.write_video(rollout.videos[i], fps, out_dir / f"sample_{i:02d}") for i in range(len(prompts))]
+        return [
+            evaluation.write_video(rollout.videos[i], fps, out_dir / f"sample_{i:02d}") for i in range(len(prompts))
+        ]
 
     def export(self, out_dir: Path) -> Path:
         """The policy in the diffusers format (a LoRA adapter, or the whole transformer consolidated from ZeRO-3),
@@ -338,8 +406,11 @@ class SageGRPORecipe:
 
         model = self.config.model
         with self.policy.updater.ema_swapped_in():  # the EMA weights when update.ema_decay is set
-            export.export_policy(self.policy.engine, out_dir, model=export.model_record(
-                model.name, pretrained=model.pretrained, kwargs=model.kwargs))
+            export.export_policy(
+                self.policy.engine,
+                out_dir,
+                model=export.model_record(model.name, pretrained=model.pretrained, kwargs=model.kwargs),
+            )
         return out_dir
 
     # ------------------------------------------------------------------------------------------------------------
@@ -355,19 +426,28 @@ class SageGRPORecipe:
             self.tracker.log_artifact(self._plots(), "plots")
             self.tracker.log_artifact(self.config.output_dir / "config.json")
             self.tracker.finish("KILLED" if status == "preempted" else "FINISHED")
-        return RunSummary(status, self.progress.iteration, self.config.output_dir, self.checkpointer.uri,
-                          self.tracker.tracking_uri if distributed.is_main() else None, self.progress.mlflow_run_id,
-                          self.progress.history, export_dir)
+        return RunSummary(
+            status,
+            self.progress.iteration,
+            self.config.output_dir,
+            self.checkpointer.uri,
+            self.tracker.tracking_uri if distributed.is_main() else None,
+            self.progress.mlflow_run_id,
+            self.progress.history,
+            export_dir,
+        )
 
     def _plots(self) -> Path:
         """The run's plots as PNG files: reward curves, S_t per step, KL against lambda, and the last iteration's
         reward spread per group and sample grid."""
         plots, sde = self.config.output_dir / "plots", self.config.sde
         evaluation.plot_reward_curves(self.progress.history, plots / "reward_curves.png")
-        evaluation.plot_step_weights(sde, plots / "step_weights.png",
-                                     sigmas=self.policy.adapter.sigma_schedule(sde.steps, sde.shift).cpu())
-        evaluation.plot_kl_and_lambda(self.progress.history, plots / "kl_lambda.png",
-                                      kl_target=self.config.trust_region.kl_target)
+        evaluation.plot_step_weights(
+            sde, plots / "step_weights.png", sigmas=self.policy.adapter.sigma_schedule(sde.steps, sde.shift).cpu()
+        )
+        evaluation.plot_kl_and_lambda(
+            self.progress.history, plots / "kl_lambda.png", kl_target=self.config.trust_region.kl_target
+        )
         if self.last_batch is not None:
             videos, groups, rewards, advantages = self.last_batch
             evaluation.plot_group_rewards(rewards, groups, plots / "group_rewards.png", self.progress.iteration)
@@ -392,15 +472,25 @@ class SageGRPORecipe:
             return export_dir
         client, run_id = self.tracker.client(), self.progress.mlflow_run_id
         metrics = {k: v for k, v in self.progress.last_eval.items() if k != "iteration"}
-        version = registry.register_export(client, settings.model_name, export_dir, run_id, metrics,
-                                           registry.export_key(run_id, self.progress.iteration),
-                                           base_model=settings.base_model or self.config.model.pretrained or
-                                           self.config.model.name)
+        version = registry.register_export(
+            client,
+            settings.model_name,
+            export_dir,
+            run_id,
+            metrics,
+            registry.export_key(run_id, self.progress.iteration),
+            base_model=settings.base_model or self.config.model.pretrained or self.config.model.name,
+        )
         logger.info("registered %s version %s as challenger", settings.model_name, version.version)
         if settings.promote:
-            decision = registry.promote(client, settings.model_name, version=version.version,
-                                        primary_metric=settings.primary_metric, min_improvement=settings.margin,
-                                        guarded=settings.guards)
+            decision = registry.promote(
+                client,
+                settings.model_name,
+                version=version.version,
+                primary_metric=settings.primary_metric,
+                min_improvement=settings.margin,
+                guarded=settings.guards,
+            )
             logger.info("%s", decision.summary())
         return export_dir
 
@@ -416,17 +506,25 @@ def build_policy(config: RunConfig) -> Policy:
     if config.model.pretrained:
         kwargs["path_or_hub_id"] = config.model.pretrained
         kwargs["device"] = str(distributed.device())
-    adapter = build_adapter(config.model.name, guidance_scale=config.model.guidance_scale,
-                            dtype=getattr(torch, config.model.dtype), **kwargs)
+    adapter = build_adapter(
+        config.model.name,
+        guidance_scale=config.model.guidance_scale,
+        dtype=getattr(torch, config.model.dtype),
+        **kwargs,
+    )
     if config.lora.enabled:
         add_lora(adapter.transformer, config.lora)
     else:
         adapter.transformer.requires_grad_(True)
     trained = int(config.sde.trained_steps_mask().sum())
     samples = config.rollout.prompts_per_rank * config.rollout.group_size
-    engine = build_engine(adapter.transformer, config.update,
-                          accumulation_steps=config.update.accumulation_steps(samples, trained),
-                          deepspeed_config_name=config.deepspeed.config, bf16=config.deepspeed.use_bf16())
+    engine = build_engine(
+        adapter.transformer,
+        config.update,
+        accumulation_steps=config.update.accumulation_steps(samples, trained),
+        deepspeed_config_name=config.deepspeed.config,
+        bf16=config.deepspeed.use_bf16(),
+    )
     return Policy(adapter, engine, Updater(engine, adapter, config.update, config.trust_region))
 
 
@@ -487,8 +585,12 @@ def preemption_signals(grace_s: float):
 
 
 def _exit_retryable(signal_name: str, grace_s: float) -> None:
-    logger.error("%s: the iteration and its checkpoint did not finish within run.preemption_grace_s=%gs; exiting "
-                 "with %d without a new checkpoint (resume continues from the last committed one)", signal_name,
-                 grace_s, RETRYABLE_EXIT_CODE)
+    logger.error(
+        "%s: the iteration and its checkpoint did not finish within run.preemption_grace_s=%gs; exiting "
+        "with %d without a new checkpoint (resume continues from the last committed one)",
+        signal_name,
+        grace_s,
+        RETRYABLE_EXIT_CODE,
+    )
     logging.shutdown()
     os._exit(RETRYABLE_EXIT_CODE)

@@ -61,7 +61,7 @@ class ScheduleOptions:
     nproc_per_node: int = 8
     date: date | None = None
     dry_run: bool = False
-    overrides: tuple[str, ...] = ()            # the user's key=value overrides, before the schedule's own
+    overrides: tuple[str, ...] = ()  # the user's key=value overrides, before the schedule's own
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class Store:
             from core.s3 import s3_client
 
             self._s3 = s3_client()
-            self._bucket, _, self._prefix = self.uri[len("s3://"):].partition("/")
+            self._bucket, _, self._prefix = self.uri[len("s3://") :].partition("/")
 
     def join(self, *parts: str) -> str:
         return "/".join([self.uri, *parts])
@@ -141,8 +141,8 @@ class Store:
         names = set()
         pages = self._s3.get_paginator("list_objects_v2").paginate(Bucket=self._bucket, Prefix=prefix, Delimiter="/")
         for page in pages:
-            names.update(p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", []))
-            names.update(o["Key"][len(prefix):] for o in page.get("Contents", []) if o["Key"] != prefix)
+            names.update(p["Prefix"][len(prefix) :].rstrip("/") for p in page.get("CommonPrefixes", []))
+            names.update(o["Key"][len(prefix) :] for o in page.get("Contents", []) if o["Key"] != prefix)
         return sorted(names)
 
     def read(self, *parts: str) -> str | None:
@@ -183,20 +183,35 @@ def read_runs(root: Store) -> list[RunState]:
 def run_overrides(decision: Decision, args: ScheduleOptions, root: Store) -> list[str]:
     """The config overrides that make training one scheduled run: its identity and checkpoints under the checkpoint
     root, outputs and caches on local disk, its prompt set, and registration of the result as the challenger."""
-    return [*args.overrides,
-            f"run.name={decision.run_name}", f"run.output_dir={Path(args.work_dir) / decision.run_name}",
-            f"checkpoint.uri={root.join(decision.run_name)}/checkpoints",
-            f"data.source={Store(args.prompts).join(decision.prompt_set)}",
-            f"registry.model_name={args.model}", "registry.promote=false"]
+    return [
+        *args.overrides,
+        f"run.name={decision.run_name}",
+        f"run.output_dir={Path(args.work_dir) / decision.run_name}",
+        f"checkpoint.uri={root.join(decision.run_name)}/checkpoints",
+        f"data.source={Store(args.prompts).join(decision.prompt_set)}",
+        f"registry.model_name={args.model}",
+        "registry.promote=false",
+    ]
 
 
 def step_command(step: str, decision: Decision, args: ScheduleOptions, root: Store) -> list[str]:
     """The command line of one step. Training runs under pipeline.launch so a checkpointed stop keeps status 75."""
     if step == "train":
         return [
-            sys.executable, "-m", "pipeline.launch", "--standalone", f"--nproc-per-node={args.nproc_per_node}",
-            "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1", "--shutdown-timeout=300", "--no-python",
-            "sagegrpo", "run", args.config, *run_overrides(decision, args, root), "--resume", "auto",
+            sys.executable,
+            "-m",
+            "pipeline.launch",
+            "--standalone",
+            f"--nproc-per-node={args.nproc_per_node}",
+            "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1",
+            "--shutdown-timeout=300",
+            "--no-python",
+            "sagegrpo",
+            "run",
+            args.config,
+            *run_overrides(decision, args, root),
+            "--resume",
+            "auto",
         ]
     # The gate's settings and the tracking URI come from the config, never the command line, which is logged.
     return ["sagegrpo", "promote", "--config", args.config, "--model", args.model]
@@ -208,8 +223,10 @@ def check_config(decision: Decision, args: ScheduleOptions, root: Store) -> None
 
     config = load_run_config(args.config, run_overrides(decision, args, root))
     if not config.tracking.tracking_uri:
-        raise UserError(f"{args.config}: the scheduled run needs tracking.tracking_uri, a shared MLflow server: the "
-                        f"model registry must outlive each run")
+        raise UserError(
+            f"{args.config}: the scheduled run needs tracking.tracking_uri, a shared MLflow server: the "
+            f"model registry must outlive each run"
+        )
 
 
 def run_relaying_stop_signals(command: list[str]) -> int:

@@ -181,8 +181,10 @@ class Anchor:
         rank's shards of ``world``. Without ZeRO-3 every rank holds whole values: rank 0's are everyone's."""
         if any(len(state["values"]) != len(self._saved) for state in states):
             raise ValueError("anchor checkpoint does not match the trainable parameters")
-        values = [self._reshard(param, [state["values"][i] for state in states], rank, world)
-                  for i, param in enumerate(self.params)]
+        values = [
+            self._reshard(param, [state["values"][i] for state in states], rank, world)
+            for i, param in enumerate(self.params)
+        ]
         self.load_state_dict({"refreshes": states[0]["refreshes"], "values": values})
 
     @staticmethod

@@ -37,29 +37,41 @@ class EvalConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    every: int = Field(0, ge=0)               # iterations between evaluations; 0 disables
+    every: int = Field(0, ge=0)  # iterations between evaluations; 0 disables
     num_prompts: int = Field(4, ge=1)
     seed: int = Field(1234, ge=0, lt=2**63)
-    metrics: list[RewardSpec] = Field(default_factory=list)   # extra metrics (e.g. clipscore) beside the rewards
+    metrics: list[RewardSpec] = Field(default_factory=list)  # extra metrics (e.g. clipscore) beside the rewards
     write_videos: int = Field(2, ge=0)
 
 
 @dataclass
 class Evaluation:
     metrics: dict[str, float]
-    videos: list[Path] = field(default_factory=list)      # the first ``write_videos`` prompts' videos, in order
+    videos: list[Path] = field(default_factory=list)  # the first ``write_videos`` prompts' videos, in order
     prompts: list[str] = field(default_factory=list)
-    scores: dict[str, list[float | None]] = field(default_factory=dict)   # per prompt: each dimension and "reward"
-    frames: np.ndarray | None = None                      # uint8 [prompts, 3, H, W, 3]: first, middle, last frame
+    scores: dict[str, list[float | None]] = field(default_factory=dict)  # per prompt: each dimension and "reward"
+    frames: np.ndarray | None = None  # uint8 [prompts, 3, H, W, 3]: first, middle, last frame
 
 
-def evaluate(adapter, prompts: list[str], sde_config: SDEConfig, scorer: Scorer, *, seed: int, out_dir: Path,
-             batch_size: int, write_videos: int, write: bool, embeddings=None,
-             prompt_metadata: list[dict] | None = None) -> Evaluation:
+def evaluate(
+    adapter,
+    prompts: list[str],
+    sde_config: SDEConfig,
+    scorer: Scorer,
+    *,
+    seed: int,
+    out_dir: Path,
+    batch_size: int,
+    write_videos: int,
+    write: bool,
+    embeddings=None,
+    prompt_metadata: list[dict] | None = None,
+) -> Evaluation:
     """``prompt_metadata``: each prompt's extra columns, passed to the rewards that take them (one video per prompt)."""
     deterministic = SDEConfig(variant="ode", steps=sde_config.steps, shift=sde_config.shift)
-    rollout = generate(adapter, prompts, 1, deterministic, seed, batch_size=batch_size, progress=False,
-                       embeddings=embeddings)
+    rollout = generate(
+        adapter, prompts, 1, deterministic, seed, batch_size=batch_size, progress=False, embeddings=embeddings
+    )
     if not write:
         return Evaluation(metrics={})
     videos = VideoBatch.from_tensor(rollout.videos, adapter.fps)
@@ -67,10 +79,17 @@ def evaluate(adapter, prompts: list[str], sde_config: SDEConfig, scorer: Scorer,
     metrics = {f"eval/{name}": _mean(values) for name, values in scored.dimensions.items()}
     metrics["eval/reward"] = _mean(scored.total)
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = [write_video(rollout.videos[i], adapter.fps, out_dir / f"eval_{i:02d}") for i in
-               range(min(write_videos, len(prompts)))]
-    return Evaluation(metrics=metrics, videos=written, prompts=list(rollout.sample_prompts),
-                      scores={**scored.dimensions, "reward": list(scored.total)}, frames=key_frames(rollout.videos))
+    written = [
+        write_video(rollout.videos[i], adapter.fps, out_dir / f"eval_{i:02d}")
+        for i in range(min(write_videos, len(prompts)))
+    ]
+    return Evaluation(
+        metrics=metrics,
+        videos=written,
+        prompts=list(rollout.sample_prompts),
+        scores={**scored.dimensions, "reward": list(scored.total)},
+        frames=key_frames(rollout.videos),
+    )
 
 
 def key_frames(videos: torch.Tensor) -> np.ndarray:
@@ -102,9 +121,12 @@ def eval_table(evaluation: Evaluation, iteration: int, video_dir: str) -> dict[s
     """Columns: iteration, prompt, one per score (None where a reward gave none), video."""
     count = len(evaluation.prompts)
     videos = [f"{video_dir}/{path.name}" for path in evaluation.videos]
-    return {"iteration": [iteration] * count, "prompt": list(evaluation.prompts),
-            **{name: [_finite_or_none(v) for v in values] for name, values in evaluation.scores.items()},
-            "video": videos + [""] * (count - len(videos))}
+    return {
+        "iteration": [iteration] * count,
+        "prompt": list(evaluation.prompts),
+        **{name: [_finite_or_none(v) for v in values] for name, values in evaluation.scores.items()},
+        "video": videos + [""] * (count - len(videos)),
+    }
 
 
 def _finite_or_none(value: float | None) -> float | None:
@@ -191,9 +213,11 @@ def plot_step_weights(sde_config: SDEConfig, path: Path, sigmas: torch.Tensor | 
     ax.bar(steps, weights.tolist(), color=["tab:blue" if t else "lightgray" for t in trained.tolist()])
     ax.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")  # the median trained step's weight
     ax.set_xticks(list(steps)[:: max(1, len(weights) // 20)])
-    ax.set(xlabel="denoising step (0 = pure noise)", ylabel="S_t",
-           title=f"equalizer weight per step ({sde_config.variant}, eta {sde_config.eta:g}, "
-                 f"shift {sde_config.shift:g})")
+    ax.set(
+        xlabel="denoising step (0 = pure noise)",
+        ylabel="S_t",
+        title=f"equalizer weight per step ({sde_config.variant}, eta {sde_config.eta:g}, shift {sde_config.shift:g})",
+    )
     ax.grid(alpha=0.3, axis="y")
     return _save(fig, path)
 
@@ -252,8 +276,14 @@ def plot_group_rewards(rewards: list[float | None], group_ids: list[int], path: 
     return _save(fig, path)
 
 
-def plot_sample_grid(videos: torch.Tensor, group_ids: list[int], rewards: list[float | None],
-                     advantages: list[float], path: Path, max_groups: int = 4) -> Path:
+def plot_sample_grid(
+    videos: torch.Tensor,
+    group_ids: list[int],
+    rewards: list[float | None],
+    advantages: list[float],
+    path: Path,
+    max_groups: int = 4,
+) -> Path:
     """The middle frame of each training sample, a row per group (the first ``max_groups``), titled with its reward
     and advantage: what the update pushed towards (A > 0) and away from (A < 0)."""
     rows: dict[int, list[int]] = {}

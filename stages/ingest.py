@@ -145,8 +145,12 @@ def _read_s3(uri: str, endpoint_url: str | None) -> bytes:
 
 
 # Byte-order marks of the wide encodings, longest first: UTF-32-LE's mark begins with UTF-16-LE's.
-_WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
-              (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
+_WIDE_BOMS = (
+    (codecs.BOM_UTF32_LE, "UTF-32"),
+    (codecs.BOM_UTF32_BE, "UTF-32"),
+    (codecs.BOM_UTF16_LE, "UTF-16"),
+    (codecs.BOM_UTF16_BE, "UTF-16"),
+)
 # Text in UTF-16 or UTF-32 without a mark has a NUL in every other (or 3 of 4) bytes of ASCII; real UTF-8 prompt
 # files have none, so a share this high is an encoding, not a stray corrupt byte (which is skipped with its line).
 _NUL_SHARE_OF_WIDE_TEXT = 0.1
@@ -160,17 +164,23 @@ def decode(data: bytes, source: str) -> str:
             try:
                 return data.decode(codec.lower())
             except UnicodeDecodeError as error:
-                raise UserError(f"{source} starts with a {codec} byte-order mark but is not valid {codec} "
-                                f"(at byte {error.start}); re-save it as UTF-8") from None
+                raise UserError(
+                    f"{source} starts with a {codec} byte-order mark but is not valid {codec} "
+                    f"(at byte {error.start}); re-save it as UTF-8"
+                ) from None
     if data.count(0) > _NUL_SHARE_OF_WIDE_TEXT * len(data):
-        raise UserError(f"{source} is not UTF-8 text ({data.count(0)} NUL bytes: UTF-16 or UTF-32 without a "
-                        "byte-order mark?); re-save it as UTF-8")
+        raise UserError(
+            f"{source} is not UTF-8 text ({data.count(0)} NUL bytes: UTF-16 or UTF-32 without a "
+            "byte-order mark?); re-save it as UTF-8"
+        )
     text = data.removeprefix(codecs.BOM_UTF8).decode("utf-8", errors="surrogateescape")
     lines = [line for _, line in _lines(text) if line.strip()]
     broken = [line for line in lines if not _is_valid_utf8(line)]
     if len(broken) * 2 > len(lines):
-        raise UserError(f"{source} is not UTF-8: {len(broken)} of {len(lines)} lines hold invalid bytes "
-                        "(another encoding, e.g. Latin-1 or cp1252?); re-save it as UTF-8")
+        raise UserError(
+            f"{source} is not UTF-8: {len(broken)} of {len(lines)} lines hold invalid bytes "
+            "(another encoding, e.g. Latin-1 or cp1252?); re-save it as UTF-8"
+        )
     return text
 
 
@@ -258,8 +268,12 @@ def _is_valid_utf8(text: str) -> bool:
 
 def _problem(raw: str | None, metadata: dict[str, Any], max_chars: int) -> str | None:
     # Metadata is checked through its JSON text, which reaches strings nested at any depth. A NUL is never text.
-    if raw is None or "\0" in raw or not _is_valid_utf8(raw) or \
-            not _is_valid_utf8(json.dumps(metadata, ensure_ascii=False)):
+    if (
+        raw is None
+        or "\0" in raw
+        or not _is_valid_utf8(raw)
+        or not _is_valid_utf8(json.dumps(metadata, ensure_ascii=False))
+    ):
         return "undecodable"
     if raw == "":
         return "empty"

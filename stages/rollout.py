@@ -40,7 +40,7 @@ class RolloutConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    group_size: int = Field(4, ge=2, le=1024)          # G: a group of one has no baseline
+    group_size: int = Field(4, ge=2, le=1024)  # G: a group of one has no baseline
     prompts_per_rank: int = Field(2, ge=1, le=4096)
 
 
@@ -54,7 +54,7 @@ class SDEConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     variant: Literal["dance", "flow", "cps", "sage", "ode"] = "sage"
-    eta: float = Field(0.5, ge=0, le=2.0)      # beyond 2 every variant's noise swamps the signal (CPS: <= 1)
+    eta: float = Field(0.5, ge=0, le=2.0)  # beyond 2 every variant's noise swamps the signal (CPS: <= 1)
     steps: int = Field(20, ge=1, le=1000)
     shift: float = Field(5.0, gt=0, le=100.0)
     window: tuple[int, int] | None = None
@@ -186,8 +186,9 @@ def generate(
     generators = [torch.Generator().manual_seed(s) for s in seeds]
     batches = list(torch.arange(len(prompt_index)).split(batch_size))
 
-    bar = tqdm(total=len(batches) * sde_config.steps, desc="rollout", leave=False,
-               disable=not (progress and _is_main_rank()))
+    bar = tqdm(
+        total=len(batches) * sde_config.steps, desc="rollout", leave=False, disable=not (progress and _is_main_rank())
+    )
     chains, decoded = [], []
     for batch in batches:
         chain = _denoise(
@@ -252,12 +253,18 @@ def _per_sample_noise(generators, shape, device) -> torch.Tensor:
 
 def _step_sigmas(sigmas: torch.Tensor, t: int, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample sigma and sigma_next of step t on ``device``, shaped [B]: the rollout and every scorer alike."""
-    pair = sigmas[t:t + 2].to(device)
+    pair = sigmas[t : t + 2].to(device)
     return pair[0].expand(batch), pair[1].expand(batch)
 
 
-def score_transition(adapter: VideoModelAdapter, rollout: Rollout, samples: torch.Tensor, t: int | torch.Tensor, *,
-                     module: torch.nn.Module | None = None) -> SDEStepOutput:
+def score_transition(
+    adapter: VideoModelAdapter,
+    rollout: Rollout,
+    samples: torch.Tensor,
+    t: int | torch.Tensor,
+    *,
+    module: torch.nn.Module | None = None,
+) -> SDEStepOutput:
     """The Gaussian of step ``t`` of ``samples`` under ``module`` (default: the adapter's transformer) and the
     log-prob of the recorded transition under it: the one scorer of recorded transitions (rollout recompute, the
     update's policy, anchor and lagged forwards, the equalizer diagnostic). Same sigmas, eta and code path as the
@@ -279,8 +286,15 @@ def score_transition(adapter: VideoModelAdapter, rollout: Rollout, samples: torc
         sigma, sigma_next = _step_sigmas(rollout.sigmas, t, len(samples), rollout.latents.device)
     x = rollout.latents[on_device, steps]
     velocity = adapter.predict_velocity(x, sigma, rollout.sample_embeddings(samples), module=module)
-    return sde_step(rollout.sde_config.sde_variant, velocity, x, sigma, sigma_next, eta,
-                    prev_sample=rollout.latents[on_device, steps + 1])
+    return sde_step(
+        rollout.sde_config.sde_variant,
+        velocity,
+        x,
+        sigma,
+        sigma_next,
+        eta,
+        prev_sample=rollout.latents[on_device, steps + 1],
+    )
 
 
 def recompute_log_probs(
@@ -294,8 +308,10 @@ def recompute_log_probs(
     transformer), for all samples in the rollout's own batches, or for ``sample_index`` as one batch."""
     batches = rollout.batches if sample_index is None else [torch.as_tensor(sample_index, dtype=torch.long)]
     scored = [[score_transition(adapter, rollout, batch, t, module=module) for t in steps] for batch in batches]
-    return StepScores(log_probs=torch.cat([torch.stack([s.log_prob for s in row], dim=1) for row in scored]),
-                      means=torch.cat([torch.stack([s.mean for s in row], dim=1) for row in scored]))
+    return StepScores(
+        log_probs=torch.cat([torch.stack([s.log_prob for s in row], dim=1) for row in scored]),
+        means=torch.cat([torch.stack([s.mean for s in row], dim=1) for row in scored]),
+    )
 
 
 def _is_main_rank() -> bool:

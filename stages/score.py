@@ -53,10 +53,10 @@ class ScoringConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    retries: int = Field(2, ge=0)             # retries of a reward call that raised or timed out
+    retries: int = Field(2, ge=0)  # retries of a reward call that raised or timed out
     retry_delay_s: float = Field(1.0, ge=0, allow_inf_nan=False)
-    timeout_s: float | None = Field(600.0, gt=0, allow_inf_nan=False)   # per call; None: wait forever
-    max_failed_fraction: float = Field(0.5, ge=0, le=1)   # of a batch's samples, per reward, before the run stops
+    timeout_s: float | None = Field(600.0, gt=0, allow_inf_nan=False)  # per call; None: wait forever
+    max_failed_fraction: float = Field(0.5, ge=0, le=1)  # of a batch's samples, per reward, before the run stops
 
 
 class RewardFailure(UserError):
@@ -135,19 +135,28 @@ class Scorer:
         finally:
             sink.close()
 
-    def _attempts(self, videos: VideoBatch, prompts: list[str], columns: Columns,
-                  index: list[int]) -> dict[str, list[tuple[list[int], _Attempt]]]:
+    def _attempts(
+        self, videos: VideoBatch, prompts: list[str], columns: Columns, index: list[int]
+    ) -> dict[str, list[tuple[list[int], _Attempt]]]:
         """Every reward on these samples, in sub-batches of its ``batch_size``: per reward, (sample positions,
         attempt) pairs. ``index`` gives the samples' positions in the whole batch the result is assembled for."""
         attempts = {}
         for spec, reward in self.rewards:
             selected = self._parameters[spec.name].select(columns, spec.name)
             size = spec.batch_size or len(videos)
-            attempts[spec.name] = [(index[start:start + size],
-                                    self._call_with_retries(spec.name, reward, videos[start:start + size],
-                                                            prompts[start:start + size],
-                                                            slice_columns(selected, start, start + size)))
-                                   for start in range(0, len(videos), size)]
+            attempts[spec.name] = [
+                (
+                    index[start : start + size],
+                    self._call_with_retries(
+                        spec.name,
+                        reward,
+                        videos[start : start + size],
+                        prompts[start : start + size],
+                        slice_columns(selected, start, start + size),
+                    ),
+                )
+                for start in range(0, len(videos), size)
+            ]
         return attempts
 
     def _assemble(self, attempts: dict[str, list[tuple[list[int], _Attempt]]], size: int) -> ScoredBatch:
@@ -167,11 +176,16 @@ class Scorer:
                 self.failures[spec.name] += sum(failed)
         total = weighted_total(dimensions, weights, size)
         total = [None if failed else value for value, failed in zip(total, failed_samples)]
-        return ScoredBatch(total=total, dimensions=dimensions, failed=failed_counts,
-                           weights={name: weight for name, weight in weights.items() if weight != 0})
+        return ScoredBatch(
+            total=total,
+            dimensions=dimensions,
+            failed=failed_counts,
+            weights={name: weight for name, weight in weights.items() if weight != 0},
+        )
 
-    def _reward_scores(self, spec: RewardSpec, reward, attempts: list[tuple[list[int], _Attempt]],
-                       size: int) -> tuple[Scores, list[bool], dict[str, float]]:
+    def _reward_scores(
+        self, spec: RewardSpec, reward, attempts: list[tuple[list[int], _Attempt]], size: int
+    ) -> tuple[Scores, list[bool], dict[str, float]]:
         """One reward's scores from its attempts; failed sub-batches are None in every known dimension."""
         known = self._known_dimensions[spec.name]
         for _, attempt in attempts:
@@ -196,17 +210,21 @@ class Scorer:
     def _check_failed_fraction(self, name: str, failed: list[bool], errors: list[str]) -> None:
         fraction = sum(failed) / len(failed) if failed else 0.0
         if fraction > self.config.max_failed_fraction:
-            raise RewardFailure(f"reward {name!r} failed for {sum(failed)} of {len(failed)} samples, more than "
-                                f"scoring.max_failed_fraction={self.config.max_failed_fraction:g}; last error: "
-                                f"{errors[-1]}")
+            raise RewardFailure(
+                f"reward {name!r} failed for {sum(failed)} of {len(failed)} samples, more than "
+                f"scoring.max_failed_fraction={self.config.max_failed_fraction:g}; last error: "
+                f"{errors[-1]}"
+            )
 
-    def _call_with_retries(self, name: str, reward, videos: VideoBatch, prompts: list[str],
-                           columns: Columns) -> _Attempt:
+    def _call_with_retries(
+        self, name: str, reward, videos: VideoBatch, prompts: list[str], columns: Columns
+    ) -> _Attempt:
         attempt = 0
         while True:
             try:
-                return _Attempt(check_scores(self._call_bounded(name, reward, videos, prompts, columns),
-                                             len(videos), name))
+                return _Attempt(
+                    check_scores(self._call_bounded(name, reward, videos, prompts, columns), len(videos), name)
+                )
             except UserError:
                 raise
             except RewardUnavailable as error:  # it already retried on its own: do not multiply the retries
@@ -215,17 +233,31 @@ class Scorer:
             except Exception as error:
                 attempt += 1
                 if attempt > self.config.retries:
-                    logger.warning("reward %r failed %d times, scoring %d samples None: %s",
-                                   name, attempt, len(videos), _describe(error))
+                    logger.warning(
+                        "reward %r failed %d times, scoring %d samples None: %s",
+                        name,
+                        attempt,
+                        len(videos),
+                        _describe(error),
+                    )
                     return _Attempt(None, _describe(error))
-                logger.warning("reward %r failed (attempt %d of %d), retrying: %s",
-                               name, attempt, self.config.retries + 1, _describe(error))
+                logger.warning(
+                    "reward %r failed (attempt %d of %d), retrying: %s",
+                    name,
+                    attempt,
+                    self.config.retries + 1,
+                    _describe(error),
+                )
                 time.sleep(self.config.retry_delay_s)
             except KeyboardInterrupt:
                 raise
             except BaseException as error:  # sys.exit in a reward: its samples fail, the run goes on
-                logger.warning("reward %r raised %s, scoring %d samples None (a reward must not exit the run)",
-                               name, _describe(error), len(videos))
+                logger.warning(
+                    "reward %r raised %s, scoring %d samples None (a reward must not exit the run)",
+                    name,
+                    _describe(error),
+                    len(videos),
+                )
                 return _Attempt(None, _describe(error))
 
     def _call_bounded(self, name: str, reward, videos: VideoBatch, prompts: list[str], columns: Columns):
@@ -251,8 +283,12 @@ class Scorer:
 
         threading.Thread(target=work, name=f"reward {name}", daemon=True).start()
         if not done.wait(self.config.timeout_s):
-            logger.warning("reward %r did not return within scoring.timeout_s=%g s; abandoning its call (its "
-                           "thread keeps running in the background)", name, self.config.timeout_s)
+            logger.warning(
+                "reward %r did not return within scoring.timeout_s=%g s; abandoning its call (its "
+                "thread keeps running in the background)",
+                name,
+                self.config.timeout_s,
+            )
             raise RewardTimeout(f"no result within {self.config.timeout_s:g} s")
         if "error" in outcome:
             raise outcome["error"]
@@ -262,8 +298,10 @@ class Scorer:
     def _check_weighted_dimensions(name: str, weights: dict[str, float], scores: Scores) -> None:
         unknown = sorted(set(weights) - set(scores))
         if unknown:
-            raise UserError(f"reward {name!r} has no dimension(s) {', '.join(unknown)} to weight "
-                            f"(it reports {', '.join(sorted(scores))})")
+            raise UserError(
+                f"reward {name!r} has no dimension(s) {', '.join(unknown)} to weight "
+                f"(it reports {', '.join(sorted(scores))})"
+            )
 
 
 class OverlappedScoring:

@@ -74,7 +74,7 @@ class UpdateConfig(BaseModel):
     # Warm-up then decay, stepped once per applied optimizer update (DeepSpeed steps it, and checkpoints its state).
     lr_schedule: LRSchedule = "constant"
     lr_warmup_steps: int = Field(0, ge=0)
-    lr_decay_steps: int | None = Field(None, ge=1)   # updates after the warm-up; required by linear and cosine
+    lr_decay_steps: int | None = Field(None, ge=1)  # updates after the warm-up; required by linear and cosine
     lr_min_ratio: float = Field(0.0, ge=0, le=1)
     weight_decay: float = Field(0.0, ge=0)
     muon_momentum: float = Field(0.95, ge=0, lt=1)
@@ -108,17 +108,28 @@ class UpdateConfig(BaseModel):
 
     def accumulation_steps(self, samples_per_rank: int, trained_steps: int) -> int:
         """Micro-steps per optimizer update: the DeepSpeed engine's gradient_accumulation_steps for this config."""
-        return accumulation_steps(samples_per_rank, self.micro_batch_size, trained_steps,
-                                  updates_per_rollout=self.updates_per_rollout,
-                                  transitions_per_micro_step=self.transitions_per_micro_step)
+        return accumulation_steps(
+            samples_per_rank,
+            self.micro_batch_size,
+            trained_steps,
+            updates_per_rollout=self.updates_per_rollout,
+            transitions_per_micro_step=self.transitions_per_micro_step,
+        )
 
     def lr_scheduler(self, optimizer):
         """The torch scheduler DeepSpeed steps; a LambdaLR whose lambda is a pure function of the step."""
         from functools import partial
 
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(
-            lr_multiplier, schedule=self.lr_schedule, warmup_steps=self.lr_warmup_steps,
-            decay_steps=self.lr_decay_steps, min_ratio=self.lr_min_ratio))
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            partial(
+                lr_multiplier,
+                schedule=self.lr_schedule,
+                warmup_steps=self.lr_warmup_steps,
+                decay_steps=self.lr_decay_steps,
+                min_ratio=self.lr_min_ratio,
+            ),
+        )
 
 
 # The adaptive KL weight's numbers per preset. "paper" is the appendix literally (lambda in [1e-7, 1e-5], target 1e-5):
@@ -126,10 +137,22 @@ class UpdateConfig(BaseModel):
 # "calibrated" (default) puts lambda where the KL gradient is a useful fraction of the policy gradient; see the
 # module docstring for the reasoning.
 KL_PRESETS: dict[str, dict[str, Any]] = {
-    "calibrated": dict(kl_initial=CALIBRATED_LAMBDA_MIN, kl_maximum=CALIBRATED_LAMBDA_MAX, kl_warmup_steps=0,
-                       kl_history=3, kl_target=CALIBRATED_KL_TARGET, kl_feedback=KLFeedback.TOWARD_TARGET),
-    "paper": dict(kl_initial=1e-7, kl_maximum=1e-5, kl_warmup_steps=100, kl_history=10, kl_target=1e-5,
-                  kl_feedback=KLFeedback.TOWARD_TARGET),
+    "calibrated": dict(
+        kl_initial=CALIBRATED_LAMBDA_MIN,
+        kl_maximum=CALIBRATED_LAMBDA_MAX,
+        kl_warmup_steps=0,
+        kl_history=3,
+        kl_target=CALIBRATED_KL_TARGET,
+        kl_feedback=KLFeedback.TOWARD_TARGET,
+    ),
+    "paper": dict(
+        kl_initial=1e-7,
+        kl_maximum=1e-5,
+        kl_warmup_steps=100,
+        kl_history=10,
+        kl_target=1e-5,
+        kl_feedback=KLFeedback.TOWARD_TARGET,
+    ),
 }
 
 
@@ -170,8 +193,14 @@ class TrustRegionConfig(BaseModel):
         return TrustRegion(self.strategy, self.position_weight, self.stepwise_weight, self.anchor_interval)
 
     def controller(self) -> AdaptiveKLController:
-        return AdaptiveKLController(initial=self.kl_initial, maximum=self.kl_maximum, warmup_steps=self.kl_warmup_steps,
-                                    history=self.kl_history, target=self.kl_target, feedback=self.kl_feedback)
+        return AdaptiveKLController(
+            initial=self.kl_initial,
+            maximum=self.kl_maximum,
+            warmup_steps=self.kl_warmup_steps,
+            history=self.kl_history,
+            target=self.kl_target,
+            feedback=self.kl_feedback,
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -186,8 +215,8 @@ class DeepSpeedConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    config: str = "zero3"                     # a name in deepspeed_configs/ or a path to a JSON
-    precision: Literal["auto", "bf16", "fp32"] = "auto"   # auto: bf16 on GPU, fp32 on CPU
+    config: str = "zero3"  # a name in deepspeed_configs/ or a path to a JSON
+    precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     collective_timeout_minutes: float = Field(30.0, gt=0, le=24 * 60, allow_inf_nan=False)
 
     @field_validator("config")
@@ -217,8 +246,10 @@ def load_deepspeed_json(name_or_path: str) -> dict:
         raise ValueError(f"{path}: a DeepSpeed config is a JSON object, not a {type(config).__name__}")
     for block in ("optimizer", "scheduler"):
         if block in config:
-            raise ValueError(f"{path}: its {block!r} block would replace the run's (update.optimizer, "
-                             "update.learning_rate, update.lr_schedule): remove it from the JSON")
+            raise ValueError(
+                f"{path}: its {block!r} block would replace the run's (update.optimizer, "
+                "update.learning_rate, update.lr_schedule): remove it from the JSON"
+            )
     if (config.get("fp16") or {}).get("enabled") in (True, "auto"):
         raise ValueError(f"{path}: fp16 is not supported (log-densities need the range): use bf16 or fp32")
     zero = config.get("zero_optimization", {})
@@ -231,8 +262,16 @@ def load_deepspeed_json(name_or_path: str) -> dict:
     return config
 
 
-def deepspeed_config(name_or_path: str, *, micro_batch_size: int, accumulation_steps: int, max_grad_norm: float,
-                     bf16: bool, world_size: int | None = None, hidden_size: int | None = None) -> dict:
+def deepspeed_config(
+    name_or_path: str,
+    *,
+    micro_batch_size: int,
+    accumulation_steps: int,
+    max_grad_norm: float,
+    bf16: bool,
+    world_size: int | None = None,
+    hidden_size: int | None = None,
+) -> dict:
     """The JSON with its "auto" fields filled from the run config. A field the JSON sets to another value than the
     run's is a ValueError. With ``hidden_size``, "auto" ZeRO bucket sizes follow the model (HF's rule)."""
     config = load_deepspeed_json(name_or_path)
@@ -248,9 +287,11 @@ def deepspeed_config(name_or_path: str, *, micro_batch_size: int, accumulation_s
     _fill(config.setdefault("bf16", {}), "enabled", bf16, name_or_path, key_path="bf16.enabled")
     zero = config.get("zero_optimization", {})
     if hidden_size:
-        for key, value in (("reduce_bucket_size", hidden_size * hidden_size),
-                           ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
-                           ("stage3_param_persistence_threshold", 10 * hidden_size)):
+        for key, value in (
+            ("reduce_bucket_size", hidden_size * hidden_size),
+            ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
+            ("stage3_param_persistence_threshold", 10 * hidden_size),
+        ):
             if zero.get(key) == "auto":
                 zero[key] = value
     return config
@@ -259,8 +300,10 @@ def deepspeed_config(name_or_path: str, *, micro_batch_size: int, accumulation_s
 def _fill(section: dict, key: str, value, source: str, key_path: str | None = None) -> None:
     current = section.get(key, "auto")
     if current != "auto" and current != value:
-        raise ValueError(f"deepspeed.config {source}: {key_path or key}={current} disagrees with the run config "
-                        f"({value}); set it to \"auto\" or to the same value")
+        raise ValueError(
+            f"deepspeed.config {source}: {key_path or key}={current} disagrees with the run config "
+            f'({value}); set it to "auto" or to the same value'
+        )
     section[key] = value
 
 
@@ -268,21 +311,40 @@ def _optimizer(params, config: UpdateConfig, offload: bool):
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(params, lr=config.learning_rate, betas=config.betas, eps=config.adam_eps,
-                                weight_decay=config.weight_decay)
-    return torch.optim.AdamW(params, lr=config.learning_rate, betas=config.betas, eps=config.adam_eps,
-                             weight_decay=config.weight_decay, foreach=torch.cuda.is_available())
+        return DeepSpeedCPUAdam(
+            params, lr=config.learning_rate, betas=config.betas, eps=config.adam_eps, weight_decay=config.weight_decay
+        )
+    return torch.optim.AdamW(
+        params,
+        lr=config.learning_rate,
+        betas=config.betas,
+        eps=config.adam_eps,
+        weight_decay=config.weight_decay,
+        foreach=torch.cuda.is_available(),
+    )
 
 
-def build_engine(module: torch.nn.Module, config: UpdateConfig, *, accumulation_steps: int,
-                 deepspeed_config_name: str = "zero3", bf16: bool = False):
+def build_engine(
+    module: torch.nn.Module,
+    config: UpdateConfig,
+    *,
+    accumulation_steps: int,
+    deepspeed_config_name: str = "zero3",
+    bf16: bool = False,
+):
     """Wrap ``module`` (LoRA adapters already added, if any) in a DeepSpeed engine training its trainable params."""
     import deepspeed
 
     try:
-        ds_config = deepspeed_config(deepspeed_config_name, micro_batch_size=config.micro_batch_size,
-                                     accumulation_steps=accumulation_steps, max_grad_norm=config.max_grad_norm,
-                                     bf16=bf16, world_size=distributed.world_size(), hidden_size=_hidden_size(module))
+        ds_config = deepspeed_config(
+            deepspeed_config_name,
+            micro_batch_size=config.micro_batch_size,
+            accumulation_steps=accumulation_steps,
+            max_grad_norm=config.max_grad_norm,
+            bf16=bf16,
+            world_size=distributed.world_size(),
+            hidden_size=_hidden_size(module),
+        )
     except ValueError as error:  # train_batch_size, which needs the world size, is known only now
         raise UserError(str(error)) from None
     offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
@@ -294,15 +356,27 @@ def build_engine(module: torch.nn.Module, config: UpdateConfig, *, accumulation_
     if config.optimizer == "muon":
         # DeepSpeed's own Muon (Muon on the 2-D weights, Adam on the rest), configured in its JSON: a client
         # optimizer would see ZeRO-3's flat partitions, and Muon needs whole matrices.
-        ds_config["optimizer"] = {"type": "muon", "params": {
-            "lr": config.learning_rate, "weight_decay": config.weight_decay, "momentum": config.muon_momentum,
-            "betas": list(config.betas), "eps": config.adam_eps}}
+        ds_config["optimizer"] = {
+            "type": "muon",
+            "params": {
+                "lr": config.learning_rate,
+                "weight_decay": config.weight_decay,
+                "momentum": config.muon_momentum,
+                "betas": list(config.betas),
+                "eps": config.adam_eps,
+            },
+        }
         ds_config.setdefault("zero_optimization", {})["reduce_scatter"] = False  # DeepSpeed's Muon requires it
-        engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=trainable, config=ds_config,
-                                               lr_scheduler=config.lr_scheduler)
+        engine, _, _, _ = deepspeed.initialize(
+            model=module, model_parameters=trainable, config=ds_config, lr_scheduler=config.lr_scheduler
+        )
         return engine
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=_optimizer(trainable, config, offload),
-                                           config=ds_config, lr_scheduler=config.lr_scheduler)
+    engine, _, _, _ = deepspeed.initialize(
+        model=module,
+        optimizer=_optimizer(trainable, config, offload),
+        config=ds_config,
+        lr_scheduler=config.lr_scheduler,
+    )
     return engine
 
 
@@ -316,8 +390,14 @@ def _hidden_size(module: torch.nn.Module) -> int | None:
     return None
 
 
-def accumulation_steps(samples_per_rank: int, micro_batch_size: int, trained_steps: int, *,
-                       updates_per_rollout: int = 1, transitions_per_micro_step: int = 1) -> int:
+def accumulation_steps(
+    samples_per_rank: int,
+    micro_batch_size: int,
+    trained_steps: int,
+    *,
+    updates_per_rollout: int = 1,
+    transitions_per_micro_step: int = 1,
+) -> int:
     """Micro-steps per optimizer update: (chunks x trained steps) transitions per rollout, grouped
     ``transitions_per_micro_step`` to a forward, split into ``updates_per_rollout`` equal mini-batches. Each must
     divide exactly, or mini-batches would weigh their transitions unequally: a ValueError says what to change."""
@@ -326,10 +406,12 @@ def accumulation_steps(samples_per_rank: int, micro_batch_size: int, trained_ste
     transitions = samples_per_rank // micro_batch_size * trained_steps
     per_update = transitions_per_micro_step * updates_per_rollout
     if transitions % per_update:
-        raise ValueError(f"the {transitions} (chunk, timestep) transitions per rollout (samples per rank / "
-                         f"micro_batch_size x trained steps) do not split into update.updates_per_rollout="
-                         f"{updates_per_rollout} mini-batches of micro-steps of update.transitions_per_micro_step="
-                         f"{transitions_per_micro_step} transitions")
+        raise ValueError(
+            f"the {transitions} (chunk, timestep) transitions per rollout (samples per rank / "
+            f"micro_batch_size x trained steps) do not split into update.updates_per_rollout="
+            f"{updates_per_rollout} mini-batches of micro-steps of update.transitions_per_micro_step="
+            f"{transitions_per_micro_step} transitions"
+        )
     return transitions // per_update
 
 
@@ -342,8 +424,9 @@ def compute_advantages(rewards: list[float | None], group_ids: torch.Tensor, con
     """Group advantages of this rank's samples; ``update.global_std`` divides by the std of every rank's scored
     rewards (gathered), not of this rank's alone, so the scale does not depend on how samples are split."""
     everyone = _gather_rewards(rewards) if config.global_std else None
-    return group_advantages(rewards, group_ids, global_std=config.global_std, all_rewards=everyone,
-                            clip=config.advantage_clip)
+    return group_advantages(
+        rewards, group_ids, global_std=config.global_std, all_rewards=everyone, clip=config.advantage_clip
+    )
 
 
 def _gather_rewards(rewards: list[float | None]) -> list[float | None]:
@@ -377,8 +460,10 @@ class Transition:
     def batched(cls, pairs: list[Transition]) -> Transition:
         if len(pairs) == 1:
             return pairs[0]
-        return cls(torch.cat([p.samples for p in pairs]),
-                   torch.cat([torch.full((len(p.samples),), p.step, dtype=torch.long) for p in pairs]))
+        return cls(
+            torch.cat([p.samples for p in pairs]),
+            torch.cat([torch.full((len(p.samples),), p.step, dtype=torch.long) for p in pairs]),
+        )
 
 
 @dataclass
@@ -391,9 +476,15 @@ class _Totals:
 
     def add(self, terms: LossTerms) -> None:
         ratio = terms.surrogate.ratio
-        values = dict(loss=terms.loss.item(), policy_loss=terms.policy.item(), kl=terms.kl.item(),
-                      position_kl=terms.position_kl.item(), velocity_kl=terms.velocity_kl.item(),
-                      clip_fraction=terms.surrogate.clipped.float().mean().item(), ratio_mean=ratio.mean().item())
+        values = dict(
+            loss=terms.loss.item(),
+            policy_loss=terms.policy.item(),
+            kl=terms.kl.item(),
+            position_kl=terms.position_kl.item(),
+            velocity_kl=terms.velocity_kl.item(),
+            clip_fraction=terms.surrogate.clipped.float().mean().item(),
+            ratio_mean=ratio.mean().item(),
+        )
         for key, value in values.items():
             self.sums[key] = self.sums.get(key, 0.0) + float(value)
         self.count += 1
@@ -422,10 +513,19 @@ class LossTerms:
     surrogate: SurrogateTerms
 
 
-def micro_step_loss(step: sde.SDEStepOutput, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                    valid: torch.Tensor, weight: float | torch.Tensor, region: TrustRegion, kl_weight: float, *,
-                    clip_range: float, anchor_mean: torch.Tensor | None = None,
-                    lagged_mean: torch.Tensor | None = None) -> LossTerms:
+def micro_step_loss(
+    step: sde.SDEStepOutput,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    weight: float | torch.Tensor,
+    region: TrustRegion,
+    kl_weight: float,
+    *,
+    clip_range: float,
+    anchor_mean: torch.Tensor | None = None,
+    lagged_mean: torch.Tensor | None = None,
+) -> LossTerms:
     """policy term x S_t + lambda x (position KL + velocity weight x velocity KL) for one chunk at one step, or for
     several (chunk, step) pairs at once (``weight`` then holds each sample's S_t).
 
@@ -449,6 +549,7 @@ def micro_step_loss(step: sde.SDEStepOutput, old_log_prob: torch.Tensor, advanta
 def gradient_ratio(terms: LossTerms, kl_weight: float, params: list[torch.nn.Parameter]) -> float:
     """|lambda grad KL| / |grad policy term| over ``params``: whether the trust region acts (0.01-0.3 is a useful
     band; 1e-5, the paper's numbers on our per-element KL, means it does nothing). Keeps the graph for the backward."""
+
     def norm(value: torch.Tensor) -> float:
         if not value.requires_grad:
             return 0.0
@@ -477,8 +578,11 @@ class Updater:
         self.lagged = Anchor.snapshot(engine.module, offload=offload) if lagged else None
         # float32 whatever the weights' precision: a bf16 EMA would stall (decay 0.999 moves it by 1e-3 of the
         # difference, below bf16's resolution).
-        self.ema = (Anchor.snapshot(engine.module, offload=offload, dtype=torch.float32)
-                    if update_config.ema_decay is not None else None)
+        self.ema = (
+            Anchor.snapshot(engine.module, offload=offload, dtype=torch.float32)
+            if update_config.ema_decay is not None
+            else None
+        )
         self.updates_done = 0
         self.skipped_updates = 0
 
@@ -489,9 +593,11 @@ class Updater:
         weights = self._timestep_weights(rollout)
         minibatches = self._minibatches(rollout)
         if len(minibatches[0]) != self.engine.gradient_accumulation_steps():
-            raise ValueError(f"{len(minibatches[0])} micro-steps per update in this rollout, but the engine "
-                             f"accumulates {self.engine.gradient_accumulation_steps()}: roll out with batch_size = "
-                             "micro_batch_size and build the engine with UpdateConfig.accumulation_steps")
+            raise ValueError(
+                f"{len(minibatches[0])} micro-steps per update in this rollout, but the engine "
+                f"accumulates {self.engine.gradient_accumulation_steps()}: roll out with batch_size = "
+                "micro_batch_size and build the engine with UpdateConfig.accumulation_steps"
+            )
         totals, skipped = _Totals(), 0
         measure = self._ratio_due()
         for micro_steps in minibatches:
@@ -509,8 +615,13 @@ class Updater:
             totals.merge(minibatch)
         return self._metrics(totals, weights, rollout, skipped)
 
-    def losses(self, rollout, advantages: Advantages, weights: torch.Tensor | None = None,
-               transitions: list[Transition] | None = None) -> Iterator[LossTerms]:
+    def losses(
+        self,
+        rollout,
+        advantages: Advantages,
+        weights: torch.Tensor | None = None,
+        transitions: list[Transition] | None = None,
+    ) -> Iterator[LossTerms]:
         """Each micro-step's loss in training order, computed lazily (after the previous step was applied)."""
         weights = self._timestep_weights(rollout) if weights is None else weights
         device = rollout.latents.device
@@ -548,8 +659,9 @@ class Updater:
         # Below ZeRO-3, DeepSpeed's backward hooks fire inside a separate torch.autograd.grad pass and fail (stage 0:
         # "direct backward not supported", 1/2: reduce_ipg_grads): there the ratio is not measured (no metric).
         measurable = self.engine.zero_optimization_stage() == 3
-        return bool(every) and measurable and self.trust.strategy is not KLStrategy.NONE and \
-            self.updates_done % every == 0
+        return (
+            bool(every) and measurable and self.trust.strategy is not KLStrategy.NONE and self.updates_done % every == 0
+        )
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.engine.module.parameters() if p.requires_grad]
@@ -563,15 +675,17 @@ class Updater:
         generator = torch.Generator().manual_seed(self.config.seed + self.updates_done)
         shuffled = [pairs[i] for i in torch.randperm(len(pairs), generator=generator)]
         k = self.config.transitions_per_micro_step
-        return [Transition.batched(shuffled[i:i + k]) for i in range(0, len(shuffled), k)]
+        return [Transition.batched(shuffled[i : i + k]) for i in range(0, len(shuffled), k)]
 
     def _minibatches(self, rollout) -> list[list[Transition]]:
         micro_steps = self._transitions(rollout)
         size = len(micro_steps) // self.config.updates_per_rollout
         if size == 0 or len(micro_steps) % size:
-            raise ValueError(f"{len(micro_steps)} micro-steps in this rollout do not split into "
-                             f"update.updates_per_rollout={self.config.updates_per_rollout} equal mini-batches")
-        return [micro_steps[i:i + size] for i in range(0, len(micro_steps), size)]
+            raise ValueError(
+                f"{len(micro_steps)} micro-steps in this rollout do not split into "
+                f"update.updates_per_rollout={self.config.updates_per_rollout} equal mini-batches"
+            )
+        return [micro_steps[i : i + size] for i in range(0, len(micro_steps), size)]
 
     def _timestep_weights(self, rollout) -> torch.Tensor:
         return timestep_weights(rollout, equalize=self.config.equalizer)
@@ -590,9 +704,17 @@ class Updater:
             old_log_prob, weight = rollout.log_probs[on_device, t.to(device)], weights[t].to(device)
         else:
             old_log_prob, weight = rollout.log_probs[on_device, t], float(weights[t])
-        return micro_step_loss(step, old_log_prob.float(), advantages.values[on_device],
-                               advantages.valid[on_device].float(), weight, self.trust,
-                               self.controller.value, clip_range=self.config.clip_range, **references)
+        return micro_step_loss(
+            step,
+            old_log_prob.float(),
+            advantages.values[on_device],
+            advantages.valid[on_device].float(),
+            weight,
+            self.trust,
+            self.controller.value,
+            clip_range=self.config.clip_range,
+            **references,
+        )
 
     def _after_update(self, minibatch: _Totals) -> int:
         """Bookkeeping once an optimizer update's micro-steps are done; returns 1 if DeepSpeed skipped it."""
@@ -642,11 +764,14 @@ class Updater:
     # -- state for checkpoints ----------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"updates_done": self.updates_done, "skipped_updates": self.skipped_updates,
-                "controller": self.controller.state_dict(),
-                "anchor": self.anchor.state_dict() if self.anchor else None,
-                "lagged": self.lagged.state_dict() if self.lagged else None,
-                "ema": self.ema.state_dict() if self.ema else None}
+        return {
+            "updates_done": self.updates_done,
+            "skipped_updates": self.skipped_updates,
+            "controller": self.controller.state_dict(),
+            "anchor": self.anchor.state_dict() if self.anchor else None,
+            "lagged": self.lagged.state_dict() if self.lagged else None,
+            "ema": self.ema.state_dict() if self.ema else None,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.updates_done = int(state["updates_done"])

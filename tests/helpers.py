@@ -17,8 +17,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def wait_until_answering(url: str, process: subprocess.Popen, timeout_s: float, *, on_failure: Callable[[], str],
-                         any_http_answer: bool = False) -> None:
+def wait_until_answering(
+    url: str,
+    process: subprocess.Popen,
+    timeout_s: float,
+    *,
+    on_failure: Callable[[], str],
+    any_http_answer: bool = False,
+) -> None:
     """Poll ``url`` until it answers (any HTTP status counts with ``any_http_answer``), the process dies, or the
     timeout passes; then raise with ``on_failure()`` (e.g. the server's log tail) after the caller's cleanup."""
     deadline = time.monotonic() + timeout_s

@@ -106,19 +106,22 @@ def _arm(name: str, **overrides) -> Arm:
     return Arm(name, tuple(sorted(overrides.items())))
 
 
-ARMS = {arm.name: arm for arm in [
-    _arm("default"),
-    *[_arm(v, variant=v) for v in ("dance", "flow", "cps")],
-    *[_arm(f"{v} eta {SHARED_ETA:g}", variant=v, eta=SHARED_ETA) for v in ("dance", "flow")],
-    *[_arm(f"kl {kl}", kl=kl) for kl in ("none", "fixed", "moving", "step_wise")],
-    _arm("equalizer off", equalizer="off"),
-    _arm("equalizer cap", equalizer="cap"),
-    *[_arm(f"anchor N={n}", anchor_interval=n) for n in (1, 5, 20)],
-    *[_arm(f"{v} 20 steps shift 5", variant=v, steps=20, shift=5.0) for v in VARIANTS],
-    _arm("window all", window="all"),
-    # The equalizer at a learning rate where it was seen to collapse (every step trained: S_t up to 5.8 at sigma 1).
-    *[_arm(f"lr 3e-4 all {eq}", learning_rate=3e-4, window="all", equalizer=eq) for eq in ("on", "cap", "off")],
-]}
+ARMS = {
+    arm.name: arm
+    for arm in [
+        _arm("default"),
+        *[_arm(v, variant=v) for v in ("dance", "flow", "cps")],
+        *[_arm(f"{v} eta {SHARED_ETA:g}", variant=v, eta=SHARED_ETA) for v in ("dance", "flow")],
+        *[_arm(f"kl {kl}", kl=kl) for kl in ("none", "fixed", "moving", "step_wise")],
+        _arm("equalizer off", equalizer="off"),
+        _arm("equalizer cap", equalizer="cap"),
+        *[_arm(f"anchor N={n}", anchor_interval=n) for n in (1, 5, 20)],
+        *[_arm(f"{v} 20 steps shift 5", variant=v, steps=20, shift=5.0) for v in VARIANTS],
+        _arm("window all", window="all"),
+        # The equalizer at a learning rate where it was seen to collapse (every step trained: S_t up to 5.8 at sigma 1).
+        *[_arm(f"lr 3e-4 all {eq}", learning_rate=3e-4, window="all", equalizer=eq) for eq in ("on", "cap", "off")],
+    ]
+}
 QUICK_ARMS = ("default",)
 
 
@@ -140,14 +143,19 @@ class CappedEqualizerUpdater(Updater):
 
 def _updater(adapter, config: Config, seed: int) -> Updater:
     samples = len(config.captions) * config.group_size
-    update_config = UpdateConfig(learning_rate=config.learning_rate, micro_batch_size=samples, seed=seed,
-                                 equalizer=config.equalizer != "off")
+    update_config = UpdateConfig(
+        learning_rate=config.learning_rate, micro_batch_size=samples, seed=seed, equalizer=config.equalizer != "off"
+    )
     # The Updater's own kl_grad_ratio (autograd.grad through the engine's forward) crashes under ZeRO-0/1/2: DeepSpeed's
     # backward hooks fire inside autograd.grad. ``_kl_grad_ratio`` measures it on a hook-free copy instead.
     trust_config = TrustRegionConfig(strategy=config.kl, anchor_interval=config.anchor_interval, kl_grad_ratio_every=0)
     trained_steps = int(config.sde().trained_steps_mask().sum())
-    engine = build_engine(adapter.transformer, update_config, deepspeed_config_name=config.deepspeed_config,
-                          accumulation_steps=accumulation_steps(samples, samples, trained_steps))
+    engine = build_engine(
+        adapter.transformer,
+        update_config,
+        deepspeed_config_name=config.deepspeed_config,
+        accumulation_steps=accumulation_steps(samples, samples, trained_steps),
+    )
     if config.equalizer == "cap":
         return CappedEqualizerUpdater(engine, adapter, update_config, trust_config, cap=config.equalizer_cap)
     return Updater(engine, adapter, update_config, trust_config)
@@ -168,9 +176,17 @@ def _kl_grad_ratio(updater: Updater, adapter, rollout, advantages) -> float:
     policy.load_state_dict(updater.engine.module.state_dict())
     step = score_transition(adapter, rollout, index, t, module=policy)
     weights = updater._timestep_weights(rollout)
-    terms = micro_step_loss(step, rollout.log_probs[index, t], advantages.values[index],
-                            advantages.valid[index].float(), float(weights[t]), updater.trust,
-                            updater.controller.value, clip_range=updater.config.clip_range, **references)
+    terms = micro_step_loss(
+        step,
+        rollout.log_probs[index, t],
+        advantages.values[index],
+        advantages.valid[index].float(),
+        float(weights[t]),
+        updater.trust,
+        updater.controller.value,
+        clip_range=updater.config.clip_range,
+        **references,
+    )
     return gradient_ratio(terms, updater.controller.value, [p for p in policy.parameters() if p.requires_grad])
 
 
@@ -185,8 +201,16 @@ def _iteration(adapter, updater: Updater, config: Config, seed: int, iteration: 
     ids = [iteration * len(captions) + j for j in range(len(captions))]  # unique groups: fresh samples every time
     samples = len(captions) * config.group_size
     start = time.perf_counter()
-    rollout = generate(adapter, captions, config.group_size, config.sde(), seed=seed, prompt_ids=ids,
-                       batch_size=samples, progress=False)
+    rollout = generate(
+        adapter,
+        captions,
+        config.group_size,
+        config.sde(),
+        seed=seed,
+        prompt_ids=ids,
+        batch_size=samples,
+        progress=False,
+    )
     videos = VideoBatch.from_tensor(rollout.videos, adapter.fps)
     scores = ToyWorldReward()(videos, rollout.sample_prompts)
     totals = weighted_total(scores, WEIGHTS, samples)
@@ -198,18 +222,26 @@ def _iteration(adapter, updater: Updater, config: Config, seed: int, iteration: 
     update_start = time.perf_counter()
     metrics = updater.update(rollout, advantages)
     return {
-        "iteration": iteration, "reward": _mean(totals), **{d: _mean(scores[d]) for d in WEIGHTS},
-        "drift": _mean(drift), "kl": metrics["kl"], "lambda_kl": metrics["lambda_kl"],
-        "kl_grad_ratio": ratio, "grad_norm": metrics["grad_norm"],
-        "equalizer_max": metrics["equalizer_max"], "skipped": metrics["skipped"],
-        "rollout_s": update_start - start, "update_s": time.perf_counter() - update_start,
+        "iteration": iteration,
+        "reward": _mean(totals),
+        **{d: _mean(scores[d]) for d in WEIGHTS},
+        "drift": _mean(drift),
+        "kl": metrics["kl"],
+        "lambda_kl": metrics["lambda_kl"],
+        "kl_grad_ratio": ratio,
+        "grad_norm": metrics["grad_norm"],
+        "equalizer_max": metrics["equalizer_max"],
+        "skipped": metrics["skipped"],
+        "rollout_s": update_start - start,
+        "update_s": time.perf_counter() - update_start,
     }
 
 
 def _evaluation(adapter, config: Config, iteration: int, train_s: float) -> dict:
     with torch.no_grad():
-        scores = evaluate(adapter, samples_per_caption=config.eval_samples_per_caption, steps=config.steps,
-                          shift=config.shift)
+        scores = evaluate(
+            adapter, samples_per_caption=config.eval_samples_per_caption, steps=config.steps, shift=config.shift
+        )
     reward = sum(weight * scores[d] for d, weight in WEIGHTS.items())
     return {"iteration": iteration, "train_s": train_s, "reward": reward, **scores}
 
@@ -233,8 +265,15 @@ def run_grpo(arm: str, config: Config, seed: int) -> dict:
             evaluations.append(_evaluation(adapter, config, done, train_s))
     del updater
     gc.collect()  # the engine holds the model and optimizer states: free them before the next run in this process
-    return {"arm": arm, "seed": seed, "config": dataclasses.asdict(config), "evaluations": evaluations,
-            "history": history, "train_s": train_s, "wall_s": time.perf_counter() - start}
+    return {
+        "arm": arm,
+        "seed": seed,
+        "config": dataclasses.asdict(config),
+        "evaluations": evaluations,
+        "history": history,
+        "train_s": train_s,
+        "wall_s": time.perf_counter() - start,
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -246,8 +285,11 @@ def _logged(job: tuple[str, Config, int]) -> dict:
     arm, config, seed = job
     result = run_grpo(arm, config, seed)
     before, after = result["evaluations"][0], result["evaluations"][-1]
-    print(f"{arm:24s} seed {seed}: eval reward {before['reward']:.3f} -> {after['reward']:.3f}, "
-          f"drift {before['drift']:.3f} -> {after['drift']:.3f}, {result['wall_s']:.0f}s", flush=True)
+    print(
+        f"{arm:24s} seed {seed}: eval reward {before['reward']:.3f} -> {after['reward']:.3f}, "
+        f"drift {before['drift']:.3f} -> {after['drift']:.3f}, {result['wall_s']:.0f}s",
+        flush=True,
+    )
     return result
 
 
@@ -275,8 +317,12 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, help=f"GRPO iterations per run (default {Config.iterations})")
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel, one process and one thread each")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--results-md", type=Path, default=report.RESULTS_MD,
-                        help="the markdown file whose ToyWorld section is regenerated")
+    parser.add_argument(
+        "--results-md",
+        type=Path,
+        default=report.RESULTS_MD,
+        help="the markdown file whose ToyWorld section is regenerated",
+    )
     parser.add_argument("--from-results", type=Path, help="only regenerate the report from a results.json")
     args = parser.parse_args()
     if args.from_results:
@@ -290,10 +336,16 @@ def main() -> None:
     pretrained_adapter(base.pretrain, log_every=100)  # fit once here, not in every worker
     machine, start = report.machine(), time.perf_counter()
     results = run_all(_jobs(arms, args.seeds, base), args.jobs)
-    saved = {"profile": profile, "arms": arms, "seeds": args.seeds, "jobs": args.jobs,
-             "command": "python -m benchmarks.toyworld.compare " + " ".join(_argv()),
-             "wall_s": time.perf_counter() - start, "machine": machine | {"load_average_at_end": list(os.getloadavg())},
-             "runs": results}
+    saved = {
+        "profile": profile,
+        "arms": arms,
+        "seeds": args.seeds,
+        "jobs": args.jobs,
+        "command": "python -m benchmarks.toyworld.compare " + " ".join(_argv()),
+        "wall_s": time.perf_counter() - start,
+        "machine": machine | {"load_average_at_end": list(os.getloadavg())},
+        "runs": results,
+    }
     report.write(saved, args.out, args.results_md)
 
 

@@ -106,13 +106,15 @@ class ToyWorldAdapter(VideoModelAdapter):
 
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeddings:
         b = len(prompts)
-        return PromptEmbeddings({
-            "encoder_hidden_states": caption_tokens(prompts),
-            "encoder_attention_mask": torch.ones(b, 2, dtype=torch.long),
-            # One glyph token, masked out: the transformer requires the ByT5 stream, the captions have no glyphs.
-            "encoder_hidden_states_2": torch.zeros(b, 1, GLYPH_DIM),
-            "encoder_attention_mask_2": torch.zeros(b, 1, dtype=torch.long),
-        })
+        return PromptEmbeddings(
+            {
+                "encoder_hidden_states": caption_tokens(prompts),
+                "encoder_attention_mask": torch.ones(b, 2, dtype=torch.long),
+                # One glyph token, masked out: the transformer requires the ByT5 stream, the captions have no glyphs.
+                "encoder_hidden_states_2": torch.zeros(b, 1, GLYPH_DIM),
+                "encoder_attention_mask_2": torch.zeros(b, 1, dtype=torch.long),
+            }
+        )
 
     def predict_clean(self, latents, sigma, embeddings, *, module=None) -> torch.Tensor:
         """The transformer's own output: the clean latents x0_hat at noise level ``sigma`` ([B])."""

@@ -84,8 +84,9 @@ def fit(config: PretrainConfig, log_every: int = 100) -> dict[str, torch.Tensor]
     return {name: value.detach().contiguous() for name, value in transformer.state_dict().items()}
 
 
-def pretrained_adapter(config: PretrainConfig = PretrainConfig(), *, force: bool = False,
-                       log_every: int = 0) -> ToyWorldAdapter:
+def pretrained_adapter(
+    config: PretrainConfig = PretrainConfig(), *, force: bool = False, log_every: int = 0
+) -> ToyWorldAdapter:
     """The adapter with weights for ``config``: from the cache, or fitted now and cached."""
     path = cache_path(config)
     if force or not path.exists():
@@ -100,13 +101,21 @@ def pretrained_adapter(config: PretrainConfig = PretrainConfig(), *, force: bool
     return ToyWorldAdapter(transformer.eval())
 
 
-def evaluate(adapter: ToyWorldAdapter, *, samples_per_caption: int = 4, steps: int = 8, shift: float = SHIFT,
-             seed: int = 10_000):
+def evaluate(
+    adapter: ToyWorldAdapter, *, samples_per_caption: int = 4, steps: int = 8, shift: float = SHIFT, seed: int = 10_000
+):
     """Mean rewards (with TA's colour and direction halves) and drift of deterministic (ODE) samples of every
     caption, from fixed initial noise: the same evaluation set before and after any training."""
     samples = len(world.CAPTIONS) * samples_per_caption
-    rollout = generate(adapter, world.CAPTIONS, samples_per_caption, SDEConfig(variant="ode", steps=steps, shift=shift),
-                       seed=seed, batch_size=samples, progress=False)
+    rollout = generate(
+        adapter,
+        world.CAPTIONS,
+        samples_per_caption,
+        SDEConfig(variant="ode", steps=steps, shift=shift),
+        seed=seed,
+        batch_size=samples,
+        progress=False,
+    )
     videos = VideoBatch.from_tensor(rollout.videos, adapter.fps)
     scores = ToyWorldReward(parts=True)(videos, rollout.sample_prompts)
     summary = {name: sum(values) / len(values) for name, values in scores.items()}

@@ -29,8 +29,9 @@ GROUPS = {
     "Temporal gradient equalizer": ["default", "equalizer cap", "equalizer off"],
     "Equalizer at lr 3e-4, every step trained": ["lr 3e-4 all on", "lr 3e-4 all cap", "lr 3e-4 all off"],
     "Anchor interval N": ["anchor N=1", "anchor N=5", "default", "anchor N=20"],
-    "Paper's schedule (20 steps, shift 5), own eta": [f"{v} 20 steps shift 5" for v in ("sage", "dance", "flow",
-                                                                                         "cps")],
+    "Paper's schedule (20 steps, shift 5), own eta": [
+        f"{v} 20 steps shift 5" for v in ("sage", "dance", "flow", "cps")
+    ],
     "SDE window": ["default", "window all"],
 }
 
@@ -43,8 +44,13 @@ GROUPS = {
 def machine() -> dict:
     import torch
 
-    return {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "load_average_at_start": list(os.getloadavg()), "gpu": torch.cuda.is_available()}
+    return {
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "load_average_at_start": list(os.getloadavg()),
+        "gpu": torch.cuda.is_available(),
+    }
 
 
 def _threshold(run: dict, gain: float) -> tuple[float, float]:
@@ -131,8 +137,10 @@ def _compare(summary: dict, claim: str, better: str, worse: str, metric: str, *,
         return {"claim": claim, "verdict": "not run", "evidence": f"needs arms '{better}' and '{worse}' at >= 2 seeds"}
     difference, se = found
     signed = -difference if lower_is_better else difference
-    evidence = (f"{metric}: {better} {_pm(summary[better][metric])} vs {worse} {_pm(summary[worse][metric])}; "
-                f"difference {difference:+.4f} ± {se:.4f} ({_z(difference, se)})")
+    evidence = (
+        f"{metric}: {better} {_pm(summary[better][metric])} vs {worse} {_pm(summary[worse][metric])}; "
+        f"difference {difference:+.4f} ± {se:.4f} ({_z(difference, se)})"
+    )
     return {"claim": claim, "verdict": _word(signed, se, COMPARISON_Z), "evidence": evidence}
 
 
@@ -150,54 +158,154 @@ def _z(difference: float, se: float) -> str:
 def verdicts(summary: dict) -> list[dict]:
     out = []
     # 1. Learning, the benchmark's premise: the default raises the ODE eval reward over the pretrained model.
-    claim = ("GRPO with SAGE and the dual trust region raises the reward (here: ODE eval reward over the pretrained "
-             f"model, by > {LEARNING_Z:g} standard errors at >= 3 seeds)")
+    claim = (
+        "GRPO with SAGE and the dual trust region raises the reward (here: ODE eval reward over the pretrained "
+        f"model, by > {LEARNING_Z:g} standard errors at >= 3 seeds)"
+    )
     if "default" in summary and summary["default"]["reward gain"]["n"] >= 3:
         gain = summary["default"]["reward gain"]
-        out.append({"claim": claim, "verdict": _word(gain["mean"], gain["se"], LEARNING_Z),
-                    "evidence": f"reward gain {_pm(gain)} over {gain['n']} seeds ({_z(gain['mean'], gain['se'])})"})
+        out.append(
+            {
+                "claim": claim,
+                "verdict": _word(gain["mean"], gain["se"], LEARNING_Z),
+                "evidence": f"reward gain {_pm(gain)} over {gain['n']} seeds ({_z(gain['mean'], gain['se'])})",
+            }
+        )
     else:
         out.append({"claim": claim, "verdict": "not run", "evidence": "needs the default arm at >= 3 seeds"})
     # 2. Manifold-aware noise: the paper's case is Flow-GRPO's first-order over-injection near sigma = 1.
     paper = " 20 steps shift 5"
-    out.append(_compare(summary, "SAGE's manifold-aware noise keeps rollouts nearer the manifold than Flow-GRPO's at "
-                        "the paper's schedule (drift of the first rollout, before any update)",
-                        "sage" + paper, "flow" + paper, "initial rollout drift", lower_is_better=True))
-    out.append(_compare(summary, "... and over the whole training run (mean rollout drift)",
-                        "sage" + paper, "flow" + paper, "rollout drift", lower_is_better=True))
-    out.append(_compare(summary, "... and at this benchmark's schedule (8 steps, shift 3)", "default", "flow",
-                        "initial rollout drift", lower_is_better=True))
+    out.append(
+        _compare(
+            summary,
+            "SAGE's manifold-aware noise keeps rollouts nearer the manifold than Flow-GRPO's at "
+            "the paper's schedule (drift of the first rollout, before any update)",
+            "sage" + paper,
+            "flow" + paper,
+            "initial rollout drift",
+            lower_is_better=True,
+        )
+    )
+    out.append(
+        _compare(
+            summary,
+            "... and over the whole training run (mean rollout drift)",
+            "sage" + paper,
+            "flow" + paper,
+            "rollout drift",
+            lower_is_better=True,
+        )
+    )
+    out.append(
+        _compare(
+            summary,
+            "... and at this benchmark's schedule (8 steps, shift 3)",
+            "default",
+            "flow",
+            "initial rollout drift",
+            lower_is_better=True,
+        )
+    )
     # 3. SAGE beats the other samplers on reward, each at its own eta and at a shared eta.
-    for title, others in (("its own eta", ["dance", "flow", "cps"]),
-                          ("a shared eta of 0.5", ["dance eta 0.5", "flow eta 0.5", "cps"])):
+    for title, others in (
+        ("its own eta", ["dance", "flow", "cps"]),
+        ("a shared eta of 0.5", ["dance eta 0.5", "flow eta 0.5", "cps"]),
+    ):
         for other in others:
-            out.append(_compare(summary, f"SAGE gains more reward than {other.split()[0]} (each at {title})",
-                                "default", other, "reward gain"))
-    out.append(_compare(summary, "SAGE gains more reward than Flow-GRPO at the paper's schedule",
-                        "sage" + paper, "flow" + paper, "reward gain"))
+            out.append(
+                _compare(
+                    summary,
+                    f"SAGE gains more reward than {other.split()[0]} (each at {title})",
+                    "default",
+                    other,
+                    "reward gain",
+                )
+            )
+    out.append(
+        _compare(
+            summary,
+            "SAGE gains more reward than Flow-GRPO at the paper's schedule",
+            "sage" + paper,
+            "flow" + paper,
+            "reward gain",
+        )
+    )
     # 4. The dual moving trust region.
-    for other, what in (("kl fixed", "a fixed anchor"), ("kl none", "no KL"),
-                        ("kl moving", "the moving position term alone (the velocity term adds)"),
-                        ("kl step_wise", "the velocity term alone")):
-        out.append(_compare(summary, f"The dual moving trust region gains more reward than {what}", "default", other,
-                            "reward gain"))
-    out.append(_compare(summary, "The dual trust region keeps the model nearer the manifold than no KL (eval drift)",
-                        "default", "kl none", "eval drift change", lower_is_better=True))
+    for other, what in (
+        ("kl fixed", "a fixed anchor"),
+        ("kl none", "no KL"),
+        ("kl moving", "the moving position term alone (the velocity term adds)"),
+        ("kl step_wise", "the velocity term alone"),
+    ):
+        out.append(
+            _compare(
+                summary, f"The dual moving trust region gains more reward than {what}", "default", other, "reward gain"
+            )
+        )
+    out.append(
+        _compare(
+            summary,
+            "The dual trust region keeps the model nearer the manifold than no KL (eval drift)",
+            "default",
+            "kl none",
+            "eval drift change",
+            lower_is_better=True,
+        )
+    )
     # 5. The temporal gradient equalizer.
-    out.append(_compare(summary, "The temporal gradient equalizer improves training (reward gain, on vs off)",
-                        "default", "equalizer off", "reward gain"))
-    out.append(_compare(summary, "At lr 3e-4 with every step trained, capping S_t at 2 beats the uncapped equalizer",
-                        "lr 3e-4 all cap", "lr 3e-4 all on", "reward gain"))
-    out.append(_compare(summary, "At lr 3e-4 with every step trained, the equalizer beats no equalizer",
-                        "lr 3e-4 all on", "lr 3e-4 all off", "reward gain"))
+    out.append(
+        _compare(
+            summary,
+            "The temporal gradient equalizer improves training (reward gain, on vs off)",
+            "default",
+            "equalizer off",
+            "reward gain",
+        )
+    )
+    out.append(
+        _compare(
+            summary,
+            "At lr 3e-4 with every step trained, capping S_t at 2 beats the uncapped equalizer",
+            "lr 3e-4 all cap",
+            "lr 3e-4 all on",
+            "reward gain",
+        )
+    )
+    out.append(
+        _compare(
+            summary,
+            "At lr 3e-4 with every step trained, the equalizer beats no equalizer",
+            "lr 3e-4 all on",
+            "lr 3e-4 all off",
+            "reward gain",
+        )
+    )
     # 6. Not claims of the paper: N (never ablated) and the SDE window, reported for users choosing them.
     for n in (1, 5, 20):
-        out.append(_compare(summary, f"(no claim) anchor N = 10 gains more than N = {n}", "default", f"anchor N={n}",
-                            "reward gain"))
-    out.append(_compare(summary, "(no claim) training the high-noise half reaches the threshold in fewer seconds than "
-                        "training every step", "default", "window all", "s to threshold", lower_is_better=True))
-    out.append(_compare(summary, "(no claim) training the high-noise half gains as much as training every step",
-                        "default", "window all", "reward gain"))
+        out.append(
+            _compare(
+                summary, f"(no claim) anchor N = 10 gains more than N = {n}", "default", f"anchor N={n}", "reward gain"
+            )
+        )
+    out.append(
+        _compare(
+            summary,
+            "(no claim) training the high-noise half reaches the threshold in fewer seconds than training every step",
+            "default",
+            "window all",
+            "s to threshold",
+            lower_is_better=True,
+        )
+    )
+    out.append(
+        _compare(
+            summary,
+            "(no claim) training the high-noise half gains as much as training every step",
+            "default",
+            "window all",
+            "reward gain",
+        )
+    )
     return out
 
 
@@ -205,10 +313,23 @@ def verdicts(summary: dict) -> list[dict]:
 # Tables, curves and the markdown section
 # ----------------------------------------------------------------------------------------------------------------
 
-COLUMNS = [("reward gain", 4), ("TA gain", 3), ("VQ gain", 3), ("MQ gain", 3), ("direction gain", 3),
-           ("colour gain", 3), ("eval drift change", 4), ("initial rollout drift", 4), ("rollout drift", 4),
-           ("kl_grad_ratio", 3), ("iters to threshold", 1), ("s to threshold", 0), ("reached", 0),
-           ("s per iteration", 1), ("wall s", 0)]
+COLUMNS = [
+    ("reward gain", 4),
+    ("TA gain", 3),
+    ("VQ gain", 3),
+    ("MQ gain", 3),
+    ("direction gain", 3),
+    ("colour gain", 3),
+    ("eval drift change", 4),
+    ("initial rollout drift", 4),
+    ("rollout drift", 4),
+    ("kl_grad_ratio", 3),
+    ("iters to threshold", 1),
+    ("s to threshold", 0),
+    ("reached", 0),
+    ("s per iteration", 1),
+    ("wall s", 0),
+]
 
 
 def _cell(stat: dict, name: str, digits: int, seeds: int) -> str:
@@ -247,8 +368,12 @@ def plot(runs: list[dict], summary: dict, path: Path) -> None:
             group = [r for r in runs if r["arm"] == arm]
             gains = [[e["reward"] - r["evaluations"][0]["reward"] for e in r["evaluations"]] for r in group]
             _band(axes[0, column], [e["iteration"] for e in group[0]["evaluations"]], gains, arm)
-            _band(axes[1, column], range(len(group[0]["history"])), [[h["drift"] for h in r["history"]] for r in group],
-                  arm)
+            _band(
+                axes[1, column],
+                range(len(group[0]["history"])),
+                [[h["drift"] for h in r["history"]] for r in group],
+                arm,
+            )
         axes[0, column].set_title(title, fontsize=9)
         axes[0, column].axhline(0.0, color="grey", lw=0.5)
         axes[0, column].set_ylabel("ODE eval reward gain")
@@ -282,7 +407,8 @@ def markdown(saved: dict, summary: dict, claims: list[dict], data: Path, figure:
         f"**Profile: {saved['profile']}** ({len(summary)} arm(s) x {saved['seeds']} seed(s), "
         f"{config['iterations']} iterations each, {saved['jobs']} run(s) in parallel): total wall time "
         f"**{saved['wall_s'] / 60:.1f} min** on {saved['machine']['cpus']} CPU cores"
-        + (f" (load average {load[0]:.1f} at the start, shared with other jobs)" if load else "") + ", torch "
+        + (f" (load average {load[0]:.1f} at the start, shared with other jobs)" if load else "")
+        + ", torch "
         f"{saved['machine']['torch']}, 1 thread per run{_load_note(saved['machine'])}. Command:",
         "",
         f"    {saved['command']}",
@@ -315,9 +441,16 @@ def markdown(saved: dict, summary: dict, claims: list[dict], data: Path, figure:
         f"rollout and update only). Verdicts: an arm beats another when the difference of means exceeds "
         f"{COMPARISON_Z:g} standard errors of the difference; the learning claim needs {LEARNING_Z:g}.",
         "",
-        *([] if saved["profile"] == "full" else [
-            "**This is not the full sweep**: most claims below are not run. The full sweep (every arm x 3 seeds) is "
-            "`python -m benchmarks.toyworld.compare --jobs 2`.", ""]),
+        *(
+            []
+            if saved["profile"] == "full"
+            else [
+                "**This is not the full sweep**: most claims below are not run. The full sweep (every arm x 3 seeds) "
+                "is "
+                "`python -m benchmarks.toyworld.compare --jobs 2`.",
+                "",
+            ]
+        ),
         "### Verdicts",
         "",
         "| claim | verdict | evidence |",
@@ -352,8 +485,12 @@ def write(saved: dict, out: Path, results_md: Path) -> None:
     summary = summarise(saved["runs"])
     claims = verdicts(summary)
     out.mkdir(parents=True, exist_ok=True)
-    saved = {**saved, "threshold_gain": THRESHOLD_GAIN, "summary": {
-        arm: {k: v for k, v in row.items() if k != "config"} for arm, row in summary.items()}, "verdicts": claims}
+    saved = {
+        **saved,
+        "threshold_gain": THRESHOLD_GAIN,
+        "summary": {arm: {k: v for k, v in row.items() if k != "config"} for arm, row in summary.items()},
+        "verdicts": claims,
+    }
     (out / "results.json").write_text(json.dumps(saved, indent=1))
     figure = out / "curves.png"
     plot(saved["runs"], summary, figure)

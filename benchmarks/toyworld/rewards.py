@@ -46,8 +46,9 @@ def _velocity(centroids: torch.Tensor) -> torch.Tensor:
     return (t[:, None] * (centroids - centroids.mean(dim=0))).sum(dim=0) / (t**2).sum()
 
 
-def alignment_parts(video: torch.Tensor, caption: str, strength: torch.Tensor,
-                    centroids: torch.Tensor) -> tuple[float, float]:
+def alignment_parts(
+    video: torch.Tensor, caption: str, strength: torch.Tensor, centroids: torch.Tensor
+) -> tuple[float, float]:
     """(colour score, direction score): TA's two halves, reported apart because they are learnt at different rates."""
     colour, direction = world.parse_caption(caption)
     pixels = video.float().div(255).reshape(-1, 3)[strength.flatten() > _FOREGROUND]
@@ -64,7 +65,7 @@ def alignment_parts(video: torch.Tensor, caption: str, strength: torch.Tensor,
 def _ideal_square(centre: torch.Tensor) -> torch.Tensor:
     top_left = (centre - (world.SQUARE - 1) / 2).round().clamp(0, world.SIZE - world.SQUARE).long().tolist()
     square = torch.zeros(world.SIZE, world.SIZE)
-    square[top_left[0]:top_left[0] + world.SQUARE, top_left[1]:top_left[1] + world.SQUARE] = 1.0
+    square[top_left[0] : top_left[0] + world.SQUARE, top_left[1] : top_left[1] + world.SQUARE] = 1.0
     return square
 
 

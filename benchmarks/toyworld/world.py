@@ -69,7 +69,7 @@ def render(scene: Scene) -> torch.Tensor:
     colour = torch.tensor(COLOURS[scene.colour]).view(3, 1, 1)
     for frame in range(FRAMES):
         y, x = scene.y + dy * frame, scene.x + dx * frame
-        video[frame, :, y:y + SQUARE, x:x + SQUARE] = colour
+        video[frame, :, y : y + SQUARE, x : x + SQUARE] = colour
     return video
 
 

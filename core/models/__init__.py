@@ -30,7 +30,7 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = "tiny-hunyuan15"
-    pretrained: str | None = None             # local directory or hub id, for the real models
+    pretrained: str | None = None  # local directory or hub id, for the real models
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     guidance_scale: float = Field(1.0, ge=1.0, le=100.0, allow_inf_nan=False)
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -55,8 +55,9 @@ class ModelConfig(BaseModel):
         reserved = sorted(set(kwargs) & set(supplied))
         if reserved:
             raise ValueError(f"{reserved[0]!r} is set by the model section itself, not by its kwargs")
-        check_arguments(resolve(info.data["name"], _REGISTRY, "model"), {**supplied, **kwargs},
-                        f"model {info.data['name']!r}")
+        check_arguments(
+            resolve(info.data["name"], _REGISTRY, "model"), {**supplied, **kwargs}, f"model {info.data['name']!r}"
+        )
         return kwargs
 
 

@@ -21,12 +21,12 @@ class PromptEmbeddings:
     tensors: dict[str, torch.Tensor]
     negative: dict[str, torch.Tensor] | None = None
 
-    def select(self, index: torch.Tensor | list[int]) -> "PromptEmbeddings":
+    def select(self, index: torch.Tensor | list[int]) -> PromptEmbeddings:
         index = torch.as_tensor(index, dtype=torch.long)
         pick = lambda group: None if group is None else {k: v[index.to(v.device)] for k, v in group.items()}
         return PromptEmbeddings(pick(self.tensors), pick(self.negative))
 
-    def to(self, device=None, dtype=None) -> "PromptEmbeddings":
+    def to(self, device=None, dtype=None) -> PromptEmbeddings:
         def move(group):
             if group is None:
                 return None
@@ -146,8 +146,12 @@ class DiffusersAdapter(VideoModelAdapter):
     def latent_shape(self) -> tuple[int, ...]:
         p = self.pipeline
         frames = (self.num_frames - 1) // p.vae_scale_factor_temporal + 1
-        return (self.latent_channels(), frames, self.height // p.vae_scale_factor_spatial,
-                self.width // p.vae_scale_factor_spatial)
+        return (
+            self.latent_channels(),
+            frames,
+            self.height // p.vae_scale_factor_spatial,
+            self.width // p.vae_scale_factor_spatial,
+        )
 
 
 def frames_to_uint8(frames: torch.Tensor) -> torch.Tensor:

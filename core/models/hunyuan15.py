@@ -77,7 +77,7 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
         guidance_scale: float | None = None,
         vae_tiling: bool = True,
         **kwargs,
-    ) -> "HunyuanVideo15Adapter":
+    ) -> HunyuanVideo15Adapter:
         """Load a diffusers-format checkpoint, e.g. ``hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v``."""
         pipeline = HunyuanVideo15Pipeline.from_pretrained(path_or_hub_id, torch_dtype=dtype).to(device)
         if vae_tiling:

@@ -54,7 +54,7 @@ class WanAdapter(DiffusersAdapter):
         device: str | torch.device = "cuda",
         guidance_scale: float = 5.0,
         **kwargs,
-    ) -> "WanAdapter":
+    ) -> WanAdapter:
         """Load a diffusers-format checkpoint, e.g. ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``."""
         # Wan's VAE is meant to run in float32 (its model card's recommendation); everything else in ``dtype``.
         vae = AutoencoderKLWan.from_pretrained(path_or_hub_id, subfolder="vae", torch_dtype=torch.float32)

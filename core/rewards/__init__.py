@@ -6,5 +6,15 @@ Heavy rewards (VideoAlign, CLIPScore, PickScore) live in their own modules and a
 from .base import Reward, RewardUnavailable, Scores, VideoBatch, check_scores, weighted_total
 from .registry import BUILTIN_REWARDS, WEIGHT_PRESETS, RewardSpec, build_reward
 
-__all__ = ["BUILTIN_REWARDS", "WEIGHT_PRESETS", "Reward", "RewardSpec", "RewardUnavailable", "Scores", "VideoBatch",
-           "build_reward", "check_scores", "weighted_total"]
+__all__ = [
+    "BUILTIN_REWARDS",
+    "WEIGHT_PRESETS",
+    "Reward",
+    "RewardSpec",
+    "RewardUnavailable",
+    "Scores",
+    "VideoBatch",
+    "build_reward",
+    "check_scores",
+    "weighted_total",
+]

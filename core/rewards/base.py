@@ -99,19 +99,23 @@ class MetadataParameters:
         except (TypeError, ValueError):  # no introspectable signature (a C callable): the plain contract
             return cls(False, frozenset(), frozenset())
         positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        keywords = [p for p in parameters if p.kind in positional][len(POSITIONAL):]
+        keywords = [p for p in parameters if p.kind in positional][len(POSITIONAL) :]
         keywords += [p for p in parameters if p.kind == inspect.Parameter.KEYWORD_ONLY]
-        return cls(takes_all=any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters),
-                   named=frozenset(p.name for p in keywords),
-                   required=frozenset(p.name for p in keywords if p.default is inspect.Parameter.empty))
+        return cls(
+            takes_all=any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters),
+            named=frozenset(p.name for p in keywords),
+            required=frozenset(p.name for p in keywords if p.default is inspect.Parameter.empty),
+        )
 
     def select(self, columns: Columns, reward_name: str) -> Columns:
         """The columns to pass; a required column no prompt has is a one-line UserError naming the reward."""
         missing = sorted(self.required - set(columns))
         if missing:
             have = ", ".join(sorted(columns)) or "none"
-            raise UserError(f"reward {reward_name!r} needs the prompt column(s) {', '.join(missing)}, which the "
-                            f"prompts lack (their columns: {have}); use a .jsonl or .csv source with them")
+            raise UserError(
+                f"reward {reward_name!r} needs the prompt column(s) {', '.join(missing)}, which the "
+                f"prompts lack (their columns: {have}); use a .jsonl or .csv source with them"
+            )
         return dict(columns) if self.takes_all else {k: v for k, v in columns.items() if k in self.named}
 
 
@@ -126,18 +130,23 @@ def check_scores(output: object, batch_size: int, reward_name: str) -> Scores:
     that names the reward, instead of being retried or silently scored None.
     """
     if not isinstance(output, Mapping) or not output:
-        raise UserError(f"reward {reward_name!r} returned {type(output).__name__}, expected a non-empty dict "
-                        "{dimension: list of float or None}")
+        raise UserError(
+            f"reward {reward_name!r} returned {type(output).__name__}, expected a non-empty dict "
+            "{dimension: list of float or None}"
+        )
     checked = {}
     for dimension, values in output.items():
         if not isinstance(dimension, str):
             raise UserError(f"reward {reward_name!r} returned a dimension named {dimension!r}, expected a string")
         if not isinstance(values, (list, tuple)):
-            raise UserError(f"reward {reward_name!r} dimension {dimension!r} is a {type(values).__name__}, "
-                            "expected a list of float or None")
+            raise UserError(
+                f"reward {reward_name!r} dimension {dimension!r} is a {type(values).__name__}, "
+                "expected a list of float or None"
+            )
         if len(values) != batch_size:
-            raise UserError(f"reward {reward_name!r} dimension {dimension!r} has {len(values)} scores "
-                            f"for {batch_size} videos")
+            raise UserError(
+                f"reward {reward_name!r} dimension {dimension!r} has {len(values)} scores for {batch_size} videos"
+            )
         checked[dimension] = [_score_value(value, reward_name, dimension) for value in values]
     return checked
 
@@ -146,8 +155,9 @@ def _score_value(value: object, reward_name: str, dimension: str) -> float | Non
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise UserError(f"reward {reward_name!r} dimension {dimension!r} holds a {type(value).__name__}, "
-                        "expected float or None")
+        raise UserError(
+            f"reward {reward_name!r} dimension {dimension!r} holds a {type(value).__name__}, expected float or None"
+        )
     value = float(value)
     return value if math.isfinite(value) else None
 
@@ -171,7 +181,6 @@ def weighted_total(dimensions: Scores, weights: Mapping[str, float], batch_size:
         else:
             totals.append(sum(weight * score for weight, score in terms))
     return totals
-
 
 
 def join_batches(chunks: list[Scores]) -> Scores:

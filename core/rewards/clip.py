@@ -71,8 +71,13 @@ def _load(model_dir: str, processor_dir: str | None, kind: str, num_frames: int,
 
     processor_dir = processor_dir or model_dir
     model = CLIPModel.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-    return CLIPSimilarity(model, AutoTokenizer.from_pretrained(processor_dir),
-                          AutoImageProcessor.from_pretrained(processor_dir), kind=kind, num_frames=num_frames)
+    return CLIPSimilarity(
+        model,
+        AutoTokenizer.from_pretrained(processor_dir),
+        AutoImageProcessor.from_pretrained(processor_dir),
+        kind=kind,
+        num_frames=num_frames,
+    )
 
 
 def load_clipscore(model: str, *, num_frames: int = DEFAULT_FRAMES, dtype: str = "float32") -> CLIPSimilarity:
@@ -80,8 +85,9 @@ def load_clipscore(model: str, *, num_frames: int = DEFAULT_FRAMES, dtype: str =
     return _load(model, None, "clipscore", num_frames, dtype)
 
 
-def load_pickscore(model: str, processor: str | None = None, *, num_frames: int = DEFAULT_FRAMES,
-                   dtype: str = "float32") -> CLIPSimilarity:
+def load_pickscore(
+    model: str, processor: str | None = None, *, num_frames: int = DEFAULT_FRAMES, dtype: str = "float32"
+) -> CLIPSimilarity:
     """PickScore from local directories: the PickScore_v1 model and, if separate, its CLIP-H processor."""
     return _load(model, processor, "pickscore", num_frames, dtype)
 
@@ -95,25 +101,48 @@ def _tiny_parts(seed: int):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, PreTrainedTokenizerFast
 
-    words = "a an the of in on cat dog red blue car video photo running sky".split()
+    words = ["a", "an", "the", "of", "in", "on", "cat", "dog", "red", "blue", "car", "video", "photo", "running", "sky"]
     special = ["[UNK]", "<|startoftext|>", "<|endoftext|>"]
     vocabulary = {token: index for index, token in enumerate(special + words)}
     backend = Tokenizer(models.WordLevel(vocabulary, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.post_processor = processors.TemplateProcessing(
         single="<|startoftext|> $A <|endoftext|>",
-        special_tokens=[("<|startoftext|>", vocabulary["<|startoftext|>"]),
-                        ("<|endoftext|>", vocabulary["<|endoftext|>"])])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="<|endoftext|>",
-                                        bos_token="<|startoftext|>", eos_token="<|endoftext|>")
+        special_tokens=[
+            ("<|startoftext|>", vocabulary["<|startoftext|>"]),
+            ("<|endoftext|>", vocabulary["<|endoftext|>"]),
+        ],
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="[UNK]",
+        pad_token="<|endoftext|>",
+        bos_token="<|startoftext|>",
+        eos_token="<|endoftext|>",
+    )
     end = vocabulary["<|endoftext|>"]
     config = CLIPConfig(
-        text_config={"vocab_size": len(vocabulary), "hidden_size": 32, "intermediate_size": 64,
-                     "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 32,
-                     "bos_token_id": vocabulary["<|startoftext|>"], "eos_token_id": end, "pad_token_id": end},
-        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                       "num_attention_heads": 4, "image_size": 32, "patch_size": 8},
-        projection_dim=16)
+        text_config={
+            "vocab_size": len(vocabulary),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "max_position_embeddings": 32,
+            "bos_token_id": vocabulary["<|startoftext|>"],
+            "eos_token_id": end,
+            "pad_token_id": end,
+        },
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "image_size": 32,
+            "patch_size": 8,
+        },
+        projection_dim=16,
+    )
     torch.manual_seed(seed)
     image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     return CLIPModel(config), tokenizer, image_processor

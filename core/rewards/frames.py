@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-FRAME_FACTOR = 2      # Qwen2-VL's temporal patch: frames are consumed in pairs
+FRAME_FACTOR = 2  # Qwen2-VL's temporal patch: frames are consumed in pairs
 MIN_SAMPLED_FRAMES = 4
 MAX_SAMPLED_FRAMES = 768
 MAX_ASPECT_RATIO = 200

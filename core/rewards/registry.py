@@ -96,9 +96,11 @@ class RewardSpec(BaseModel):
             return dict(weights)
         reported = sorted(reported)
         if len(reported) > 1:
-            raise UserError(f"reward {self.name!r} reports {len(reported)} dimensions ({', '.join(reported)}) and "
-                            f"no weights: set its weights, e.g. {{{reported[0]}: 1.0}} (unweighted dimensions are "
-                            "reported, not summed; weights: {} reports them all)")
+            raise UserError(
+                f"reward {self.name!r} reports {len(reported)} dimensions ({', '.join(reported)}) and "
+                f"no weights: set its weights, e.g. {{{reported[0]}: 1.0}} (unweighted dimensions are "
+                "reported, not summed; weights: {} reports them all)"
+            )
         return dict.fromkeys(reported, 1.0)
 
 
@@ -108,8 +110,9 @@ def build_reward(spec: RewardSpec) -> Callable:
     try:
         reward = resolve_factory(spec.name)(**spec.kwargs)
     except ValueError as error:
-        raise UserError(f"reward {spec.name!r}: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
-                        ) from None
+        raise UserError(
+            f"reward {spec.name!r}: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+        ) from None
     if not callable(reward):
         raise UserError(f"reward {spec.name!r} built a {type(reward).__name__}, which is not callable")
     return reward

@@ -25,14 +25,27 @@ RETRIED_STATUSES = (500, 502, 503, 504)
 class RemoteReward:
     """Calls ``POST {url}/score``; reports whatever dimensions the server's rewards report."""
 
-    def __init__(self, url: str, timeout: float = 300.0, retries: int = 3, batch_size: int = 8,
-                 backoff: float = 0.5, token_env: str | None = None, token_file: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        timeout: float = 300.0,
+        retries: int = 3,
+        batch_size: int = 8,
+        backoff: float = 0.5,
+        token_env: str | None = None,
+        token_file: str | None = None,
+    ):
         if batch_size < 1 or retries < 0 or timeout <= 0:
             raise ValueError("remote reward needs batch_size >= 1, retries >= 0 and timeout > 0")
         self.url, self.timeout, self.retries, self.batch_size = url.rstrip("/"), timeout, retries, batch_size
         # Scoring has no side effects, so retrying a POST is safe: allowed_methods=None retries every method.
-        retry = Retry(total=retries, backoff_factor=backoff, status_forcelist=RETRIED_STATUSES,
-                      allowed_methods=None, raise_on_status=False)
+        retry = Retry(
+            total=retries,
+            backoff_factor=backoff,
+            status_forcelist=RETRIED_STATUSES,
+            allowed_methods=None,
+            raise_on_status=False,
+        )
         self.session = requests.Session()
         self.session.mount("http://", HTTPAdapter(max_retries=retry))
         self.session.mount("https://", HTTPAdapter(max_retries=retry))
@@ -43,20 +56,26 @@ class RemoteReward:
         self._shown_url = mask_uri(self.url)  # for messages: a URL may carry user:password
 
     def __call__(self, videos: VideoBatch, prompts: list[str]) -> Scores:
-        return join_batches([self._score(videos[start:start + self.batch_size],
-                                         prompts[start:start + self.batch_size])
-                             for start in range(0, len(videos), self.batch_size)])
+        return join_batches(
+            [
+                self._score(videos[start : start + self.batch_size], prompts[start : start + self.batch_size])
+                for start in range(0, len(videos), self.batch_size)
+            ]
+        )
 
     def _score(self, videos: VideoBatch, prompts: list[str]) -> Scores:
         body = encode_request(videos, prompts)
         limit = self._body_limit()
         if limit is not None and len(body) > limit:
             if len(videos) == 1:
-                raise RewardUnavailable(f"one video is {len(body)} bytes; reward server {self._shown_url} accepts "
-                                        f"{limit} (raise its --max-body-mb)")
+                raise RewardUnavailable(
+                    f"one video is {len(body)} bytes; reward server {self._shown_url} accepts "
+                    f"{limit} (raise its --max-body-mb)"
+                )
             half = len(videos) // 2
-            return join_batches([self._score(videos[:half], prompts[:half]),
-                                 self._score(videos[half:], prompts[half:])])
+            return join_batches(
+                [self._score(videos[:half], prompts[:half]), self._score(videos[half:], prompts[half:])]
+            )
         return self._post(body)
 
     def _body_limit(self) -> int | None:
@@ -72,12 +91,15 @@ class RemoteReward:
 
     def _post(self, body: bytes) -> Scores:
         try:
-            response = self.session.post(f"{self.url}/score", data=body, headers={"Content-Type": CONTENT_TYPE},
-                                         timeout=self.timeout)
+            response = self.session.post(
+                f"{self.url}/score", data=body, headers={"Content-Type": CONTENT_TYPE}, timeout=self.timeout
+            )
         except requests.RequestException as error:
-            raise RewardUnavailable(f"reward server {self._shown_url} failed after {self.retries} retries: "
-                                    f"{mask_uri(str(error))}") from error
+            raise RewardUnavailable(
+                f"reward server {self._shown_url} failed after {self.retries} retries: {mask_uri(str(error))}"
+            ) from error
         if response.status_code != 200:
-            raise RewardUnavailable(f"reward server {self._shown_url} answered {response.status_code}: "
-                                    f"{response.text[:300]}")
+            raise RewardUnavailable(
+                f"reward server {self._shown_url} answered {response.status_code}: {response.text[:300]}"
+            )
         return decode_response(response.content)

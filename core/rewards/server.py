@@ -82,9 +82,14 @@ class RewardService:
         owners: dict[str, str] = {}
         for spec, reward in self.rewards:
             size = spec.batch_size or len(videos)
-            chunks = [check_scores(reward(videos[start:start + size], prompts[start:start + size]),
-                                   len(prompts[start:start + size]), spec.name)
-                      for start in range(0, len(videos), size)]
+            chunks = [
+                check_scores(
+                    reward(videos[start : start + size], prompts[start : start + size]),
+                    len(prompts[start : start + size]),
+                    spec.name,
+                )
+                for start in range(0, len(videos), size)
+            ]
             merge_dimensions(dimensions, join_batches(chunks), spec.name, owners)
         return dimensions
 
@@ -225,8 +230,14 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path != "/health":
             return self._refuse(404, f"no such path {self.path}")
-        self._reply(200, {"status": "ok", "rewards": self.server.service.names(),
-                          "max_body_bytes": self.server.settings.max_body_bytes})
+        self._reply(
+            200,
+            {
+                "status": "ok",
+                "rewards": self.server.service.names(),
+                "max_body_bytes": self.server.settings.max_body_bytes,
+            },
+        )
 
     def do_POST(self):
         try:
@@ -265,8 +276,10 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError as error:  # the per-read timeout, or a reset
             raise _Refused(408, f"body not received: {error}") from None
         if len(body) < length:
-            raise _Refused(408, f"body not received within {self.server.settings.read_timeout_s:g} s "
-                                f"({len(body)} of {length} bytes)")
+            raise _Refused(
+                408,
+                f"body not received within {self.server.settings.read_timeout_s:g} s ({len(body)} of {length} bytes)",
+            )
         self.server.watchdog.release(self.connection)  # the request is in; scoring has its own bound
         return body
 
@@ -277,8 +290,9 @@ class _Handler(BaseHTTPRequestHandler):
             dimensions = future.result(timeout=timeout)
         except FutureTimeout:
             future.cancel()  # still queued: never scored; already running: its result is dropped
-            logger.error("scoring %d videos did not finish within %g s (a reward is slow or hangs)", len(videos),
-                         timeout)
+            logger.error(
+                "scoring %d videos did not finish within %g s (a reward is slow or hangs)", len(videos), timeout
+            )
             return self._reply(503, {"error": f"scoring did not finish within {timeout:g} s"})
         except Exception as error:  # noqa: BLE001 (a failing reward: the server's problem, one line, retried)
             message = f"{type(error).__name__}: {error}".splitlines()[0][:500]
@@ -294,8 +308,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _log_refusal(self, status: int, reason: str) -> None:
         path = ascii((self.path or "-")[:100])[1:-1]  # escaped: a path must not write control characters into the log
-        logger.warning("refused %s %s from %s: %d %s", self.command or "-", path, self.client_address[0], status,
-                       reason)
+        logger.warning(
+            "refused %s %s from %s: %d %s", self.command or "-", path, self.client_address[0], status, reason
+        )
 
     def _reply(self, status: int, payload: dict) -> None:
         self._send(status, json.dumps(payload).encode())
@@ -351,8 +366,11 @@ class RewardHTTPServer(HTTPServer):
         body = json.dumps({"error": f"all {self.settings.workers} workers are busy"}).encode()
         try:
             request.settimeout(1.0)
-            request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-                            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            request.sendall(
+                b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
         except OSError:
             pass
         self.shutdown_request(request)
@@ -360,16 +378,19 @@ class RewardHTTPServer(HTTPServer):
     def handle_error(self, request, client_address) -> None:
         # socketserver prints a full traceback here; a client that hung up is not worth one.
         error = sys.exc_info()[1]
-        logger.warning("connection from %s failed: %s: %s", client_address[0], type(error).__name__,
-                       str(error).splitlines()[0][:200] if str(error) else "")
+        logger.warning(
+            "connection from %s failed: %s: %s",
+            client_address[0],
+            type(error).__name__,
+            str(error).splitlines()[0][:200] if str(error) else "",
+        )
 
     def server_close(self) -> None:
         super().server_close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def serve(specs: list[RewardSpec], host: str, port: int, device: str,
-          settings: ServerSettings | None = None) -> None:
+def serve(specs: list[RewardSpec], host: str, port: int, device: str, settings: ServerSettings | None = None) -> None:
     """Build and set up the rewards, then serve until interrupted. Port 0 picks a free port; the chosen address is
     printed as ``serving rewards on http://HOST:PORT`` once the server accepts connections."""
     settings = settings or ServerSettings()

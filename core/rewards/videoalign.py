@@ -33,8 +33,8 @@ DIMENSIONS = ("VQ", "MQ", "TA")
 RELEASED_NORMALIZATION = {"VQ": (3.6757, 2.2476), "MQ": (1.1646, 1.3811), "TA": (2.8105, 2.5121)}
 
 SAMPLE_FPS = 2.0
-MAX_PIXELS = 200704             # 256 * 28 * 28, the released data_config's max_frame_pixels
-MIN_PIXELS = 128 * 28 * 28      # qwen_vl_utils' VIDEO_MIN_PIXELS: small videos are upscaled to at least this
+MAX_PIXELS = 200704  # 256 * 28 * 28, the released data_config's max_frame_pixels
+MIN_PIXELS = 128 * 28 * 28  # qwen_vl_utils' VIDEO_MIN_PIXELS: small videos are upscaled to at least this
 PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 14, 2, 2
 # OpenAI CLIP statistics, which Qwen2-VL's vision tower was trained with.
 IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -82,9 +82,11 @@ END
 VIDEO_PAD = "<|video_pad|>"
 # Qwen2-VL's chat template for one user turn holding a video then text, with the default system message and the
 # generation prompt, as the released inference applies it.
-CHAT_TEMPLATE = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-                 "<|im_start|>user\n<|vision_start|>" + VIDEO_PAD + "<|vision_end|>{content}<|im_end|>\n"
-                 "<|im_start|>assistant\n")
+CHAT_TEMPLATE = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "<|im_start|>user\n<|vision_start|>" + VIDEO_PAD + "<|vision_end|>{content}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 
 
 def chat_text(prompt: str) -> str:
@@ -97,8 +99,14 @@ def chat_text(prompt: str) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def sample_and_resize(video: torch.Tensor, video_fps: float, *, sample_fps: float = SAMPLE_FPS,
-                      min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> torch.Tensor:
+def sample_and_resize(
+    video: torch.Tensor,
+    video_fps: float,
+    *,
+    sample_fps: float = SAMPLE_FPS,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
+) -> torch.Tensor:
     """uint8 [F, H, W, 3] to the frames the model sees: uint8 [T, 3, H', W'], T even, sides multiples of 28."""
     total_frames, height, width, _ = video.shape
     indices = uniform_frame_indices(total_frames, sampled_frame_count(total_frames, video_fps, sample_fps))
@@ -119,8 +127,17 @@ def patchify(frames: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     std = torch.tensor(IMAGE_STD, device=frames.device).view(1, 3, 1, 1)
     pixels = (frames.float() / 255.0 - mean) / std
     grid = (count // TEMPORAL_PATCH_SIZE, height // PATCH_SIZE, width // PATCH_SIZE)
-    patches = pixels.view(grid[0], TEMPORAL_PATCH_SIZE, channels, grid[1] // MERGE_SIZE, MERGE_SIZE, PATCH_SIZE,
-                          grid[2] // MERGE_SIZE, MERGE_SIZE, PATCH_SIZE)
+    patches = pixels.view(
+        grid[0],
+        TEMPORAL_PATCH_SIZE,
+        channels,
+        grid[1] // MERGE_SIZE,
+        MERGE_SIZE,
+        PATCH_SIZE,
+        grid[2] // MERGE_SIZE,
+        MERGE_SIZE,
+        PATCH_SIZE,
+    )
     # -> (t, block row, block col, row in block, col in block, channel, frame in pair, pixel row, pixel col)
     patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
     return patches.reshape(math.prod(grid), channels * TEMPORAL_PATCH_SIZE * PATCH_SIZE**2), grid
@@ -141,18 +158,29 @@ class VideoRewardModel(nn.Module):
         self.rm_head = nn.Linear(hidden_size, 1, bias=False, dtype=vlm.dtype)
         self.reward_token_ids = list(reward_token_ids)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pixel_values_videos: torch.Tensor,
-                video_grid_thw: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        pixel_values_videos: torch.Tensor,
+        video_grid_thw: torch.Tensor,
+    ) -> torch.Tensor:
         # Plain 1-D positions, not Qwen2-VL's 3-D M-RoPE: the released reward model's forward passed only embeddings
         # to the text decoder, which then numbered tokens 0..L-1 in all three rotary sections. It was trained and
         # evaluated that way, so its head only gives the released scores under the same positions. (Rows are
         # right-padded, so a row's real tokens are numbered exactly as when scored alone.)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
-        outputs = self.vlm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                                 pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)
+        outputs = self.vlm.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            pixel_values_videos=pixel_values_videos,
+            video_grid_thw=video_grid_thw,
+        )
         values = self.rm_head(outputs.last_hidden_state).squeeze(-1).float()
-        return torch.stack([values[self._single_position(input_ids, token_id)] for token_id in self.reward_token_ids],
-                           dim=1)
+        return torch.stack(
+            [values[self._single_position(input_ids, token_id)] for token_id in self.reward_token_ids], dim=1
+        )
 
     @staticmethod
     def _single_position(input_ids: torch.Tensor, token_id: int) -> torch.Tensor:
@@ -169,11 +197,19 @@ class VideoAlign:
     paper's Overall 0.8066, are normalised). Frames are sampled at ``sample_fps`` from ``videos.fps``.
     """
 
-    default_weights = {"VQ": 0.5, "MQ": 0.5, "TA": 1.0}   # the paper's Setting B
+    default_weights = {"VQ": 0.5, "MQ": 0.5, "TA": 1.0}  # the paper's Setting B
 
-    def __init__(self, model: VideoRewardModel, tokenizer, *, normalize: bool = True,
-                 normalization: dict[str, tuple[float, float]] = RELEASED_NORMALIZATION,
-                 sample_fps: float = SAMPLE_FPS, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS):
+    def __init__(
+        self,
+        model: VideoRewardModel,
+        tokenizer,
+        *,
+        normalize: bool = True,
+        normalization: dict[str, tuple[float, float]] = RELEASED_NORMALIZATION,
+        sample_fps: float = SAMPLE_FPS,
+        min_pixels: int = MIN_PIXELS,
+        max_pixels: int = MAX_PIXELS,
+    ):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.normalization = normalization if normalize else None
@@ -192,8 +228,10 @@ class VideoAlign:
         raw = self.model(**self.prepare_inputs(videos, prompts))
         scores = {name: raw[:, index] for index, name in enumerate(DIMENSIONS)}
         if self.normalization is not None:
-            scores = {name: (value - self.normalization[name][0]) / self.normalization[name][1]
-                      for name, value in scores.items()}
+            scores = {
+                name: (value - self.normalization[name][0]) / self.normalization[name][1]
+                for name, value in scores.items()
+            }
         scores["Overall"] = scores["VQ"] + scores["MQ"] + scores["TA"]
         return {name: value.tolist() for name, value in scores.items()}
 
@@ -201,29 +239,38 @@ class VideoAlign:
         """Token ids (right-padded), attention mask, flat patches and patch grids for a batch."""
         token_rows, patches, grids = [], [], []
         for video, prompt in zip(videos, prompts, strict=True):
-            frames = sample_and_resize(video.to(self.device), videos.fps, sample_fps=self.sample_fps,
-                                       min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+            frames = sample_and_resize(
+                video.to(self.device),
+                videos.fps,
+                sample_fps=self.sample_fps,
+                min_pixels=self.min_pixels,
+                max_pixels=self.max_pixels,
+            )
             video_patches, grid = patchify(frames)
             patches.append(video_patches)
             grids.append(grid)
             token_rows.append(self._token_ids(prompt, math.prod(grid) // MERGE_SIZE**2))
         input_ids, attention_mask = self._pad_right(token_rows)
-        return {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device),
-                "pixel_values_videos": torch.cat(patches), "video_grid_thw": torch.tensor(grids, device=self.device)}
+        return {
+            "input_ids": input_ids.to(self.device),
+            "attention_mask": attention_mask.to(self.device),
+            "pixel_values_videos": torch.cat(patches),
+            "video_grid_thw": torch.tensor(grids, device=self.device),
+        }
 
     def _token_ids(self, prompt: str, video_tokens: int) -> list[int]:
         """Tokenise with one video placeholder, then repeat it once per merged patch, as Qwen2-VL's processor does."""
         ids = self.tokenizer(chat_text(prompt))["input_ids"]
         slot = ids.index(self.video_pad_id)
-        return ids[:slot] + [self.video_pad_id] * video_tokens + ids[slot + 1:]
+        return ids[:slot] + [self.video_pad_id] * video_tokens + ids[slot + 1 :]
 
     def _pad_right(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         length = max(len(row) for row in rows)
         input_ids = torch.full((len(rows), length), self.tokenizer.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
         for index, row in enumerate(rows):
-            input_ids[index, :len(row)] = torch.tensor(row)
-            attention_mask[index, :len(row)] = 1
+            input_ids[index, : len(row)] = torch.tensor(row)
+            attention_mask[index, : len(row)] = 1
         return input_ids, attention_mask
 
 
@@ -232,8 +279,16 @@ class VideoAlign:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def load_videoalign(base_model: str, checkpoint: str, *, step: int | None = None, dtype: str = "bfloat16",
-                    normalize: bool = True, sample_fps: float = SAMPLE_FPS, max_pixels: int = MAX_PIXELS) -> VideoAlign:
+def load_videoalign(
+    base_model: str,
+    checkpoint: str,
+    *,
+    step: int | None = None,
+    dtype: str = "bfloat16",
+    normalize: bool = True,
+    sample_fps: float = SAMPLE_FPS,
+    max_pixels: int = MAX_PIXELS,
+) -> VideoAlign:
     """VideoAlign from local directories: ``base_model`` holds Qwen2-VL-2B-Instruct, ``checkpoint`` the VideoReward
     release (``model_config.json`` and ``checkpoint-N/`` folders; ``step`` picks N, default the latest).
 
@@ -248,15 +303,17 @@ def load_videoalign(base_model: str, checkpoint: str, *, step: int | None = None
     # The checkpoint's embedding rows for the reward tokens sit right after the base vocabulary, in this order.
     if reward_token_ids != list(range(base_vocabulary, base_vocabulary + len(REWARD_TOKENS))):
         raise ValueError(f"reward tokens got ids {reward_token_ids}, expected to follow the base vocabulary")
-    vlm = Qwen2VLForConditionalGeneration.from_pretrained(base_model, dtype=getattr(torch, dtype),
-                                                          attn_implementation="sdpa")
+    vlm = Qwen2VLForConditionalGeneration.from_pretrained(
+        base_model, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+    )
     vlm.resize_token_embeddings(len(tokenizer))
     model = VideoRewardModel(vlm, reward_token_ids)
     release = read_release_config(Path(checkpoint))
     load_released_weights(model, checkpoint_folder(Path(checkpoint), step), lora_scale(release))
     normalization = release_normalization(release)
-    return VideoAlign(model, tokenizer, normalize=normalize, normalization=normalization, sample_fps=sample_fps,
-                      max_pixels=max_pixels)
+    return VideoAlign(
+        model, tokenizer, normalize=normalize, normalization=normalization, sample_fps=sample_fps, max_pixels=max_pixels
+    )
 
 
 def read_release_config(checkpoint: Path) -> dict:
@@ -324,10 +381,12 @@ def rename_released_key(key: str) -> str:
     key = key.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".default.", ".")
     if key.startswith("rm_head."):
         return key
-    for old, new in (("model.embed_tokens.", "model.language_model.embed_tokens."),
-                     ("model.layers.", "model.language_model.layers."),
-                     ("model.norm.", "model.language_model.norm."),
-                     ("visual.", "model.visual.")):
+    for old, new in (
+        ("model.embed_tokens.", "model.language_model.embed_tokens."),
+        ("model.layers.", "model.language_model.layers."),
+        ("model.norm.", "model.language_model.norm."),
+        ("visual.", "model.visual."),
+    ):
         if key.startswith(old):
             return "vlm." + new + key.removeprefix(old)
     return "vlm." + key
@@ -345,8 +404,9 @@ def _check_known_keys(model: nn.Module, plain: dict[str, torch.Tensor], folder: 
         raise ValueError(f"{folder} holds no reward head (rm_head.weight)")
 
 
-def merged_lora_weights(lora: dict[str, torch.Tensor], current: dict[str, torch.Tensor],
-                        plain: dict[str, torch.Tensor], scale: float | None) -> dict[str, torch.Tensor]:
+def merged_lora_weights(
+    lora: dict[str, torch.Tensor], current: dict[str, torch.Tensor], plain: dict[str, torch.Tensor], scale: float | None
+) -> dict[str, torch.Tensor]:
     """W + scale * B @ A for every LoRA pair, computed in float32; W from the checkpoint if it has one."""
     merged = {}
     for key_a in (key for key in lora if ".lora_A." in key):
@@ -366,8 +426,15 @@ def merged_lora_weights(lora: dict[str, torch.Tensor], current: dict[str, torch.
 # Tiny random build for tests
 # ----------------------------------------------------------------------------------------------------------------
 
-CHAT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                       "<|image_pad|>", VIDEO_PAD)
+CHAT_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    VIDEO_PAD,
+)
 
 
 def tiny_tokenizer(reward_tokens: bool = True):
@@ -383,8 +450,9 @@ def tiny_tokenizer(reward_tokens: bool = True):
     backend = Tokenizer(models.WordLevel(vocabulary, unk_token="[UNK]"))
     backend.pre_tokenizer = splitter
     backend.add_special_tokens([AddedToken(token, special=True) for token in special])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="<|endoftext|>",
-                                   padding_side="right")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", pad_token="<|endoftext|>", padding_side="right"
+    )
 
 
 def tiny_model(tokenizer, seed: int = 0) -> VideoRewardModel:
@@ -393,28 +461,48 @@ def tiny_model(tokenizer, seed: int = 0) -> VideoRewardModel:
 
     ids = tokenizer.convert_tokens_to_ids
     config = Qwen2VLConfig(
-        text_config={"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
-                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                     "max_position_embeddings": 8192, "pad_token_id": tokenizer.pad_token_id,
-                     "bos_token_id": None, "eos_token_id": ids("<|im_end|>"),
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}},
-        vision_config={"depth": 2, "embed_dim": 32, "hidden_size": 32, "num_heads": 4, "mlp_ratio": 2,
-                       "patch_size": PATCH_SIZE, "spatial_merge_size": MERGE_SIZE,
-                       "temporal_patch_size": TEMPORAL_PATCH_SIZE},
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids(VIDEO_PAD),
-        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
-        tie_word_embeddings=True)   # as Qwen2-VL-2B: the embedding matrix doubles as the (unused) LM head
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 8192,
+            "pad_token_id": tokenizer.pad_token_id,
+            "bos_token_id": None,
+            "eos_token_id": ids("<|im_end|>"),
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
+        },
+        vision_config={
+            "depth": 2,
+            "embed_dim": 32,
+            "hidden_size": 32,
+            "num_heads": 4,
+            "mlp_ratio": 2,
+            "patch_size": PATCH_SIZE,
+            "spatial_merge_size": MERGE_SIZE,
+            "temporal_patch_size": TEMPORAL_PATCH_SIZE,
+        },
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids(VIDEO_PAD),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=True,
+    )  # as Qwen2-VL-2B: the embedding matrix doubles as the (unused) LM head
     torch.manual_seed(seed)
     vlm = Qwen2VLForConditionalGeneration(config)
     return VideoRewardModel(vlm, ids(list(REWARD_TOKENS)))
 
 
-def tiny_videoalign(normalize: bool = True, seed: int = 0, max_pixels: int = 28 * 28 * 16,
-                    min_pixels: int = 28 * 28 * 4) -> VideoAlign:
+def tiny_videoalign(
+    normalize: bool = True, seed: int = 0, max_pixels: int = 28 * 28 * 16, min_pixels: int = 28 * 28 * 4
+) -> VideoAlign:
     """VideoAlign on a tiny random model: real preprocessing and scoring path, meaningless scores.
 
     Frames are capped at 16 merged-patch cells (448x448 would be the release's size) to keep CPU tests fast.
     """
     tokenizer = tiny_tokenizer()
-    return VideoAlign(tiny_model(tokenizer, seed), tokenizer, normalize=normalize, min_pixels=min_pixels,
-                      max_pixels=max_pixels)
+    return VideoAlign(
+        tiny_model(tokenizer, seed), tokenizer, normalize=normalize, min_pixels=min_pixels, max_pixels=max_pixels
+    )

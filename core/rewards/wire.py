@@ -44,8 +44,10 @@ def decode_request(body: bytes) -> tuple[VideoBatch, list[str]]:
     metadata = _metadata(body)
     expected = {f"video_{index}" for index in range(len(metadata.prompts))}
     if set(tensors) != expected:
-        raise BadRequest(f"{len(metadata.prompts)} prompts need tensors video_0..video_{len(expected) - 1}, "
-                         f"got {sorted(tensors)[:5]}{' ...' if len(tensors) > 5 else ''}")
+        raise BadRequest(
+            f"{len(metadata.prompts)} prompts need tensors video_0..video_{len(expected) - 1}, "
+            f"got {sorted(tensors)[:5]}{' ...' if len(tensors) > 5 else ''}"
+        )
     frames = [tensors[f"video_{index}"] for index in range(len(metadata.prompts))]
     if any(0 in video.shape for video in frames):
         raise BadRequest("a video has an empty dimension")
@@ -59,7 +61,7 @@ def _metadata(body: bytes) -> _Metadata:
     # safetensors layout: an 8-byte little-endian header length, then the JSON header with "__metadata__".
     # ``load`` accepted the body, so the header is there and is JSON; its metadata values are strings.
     (header_length,) = struct.unpack("<Q", body[:8])
-    raw = json.loads(body[8:8 + header_length]).get("__metadata__") or {}
+    raw = json.loads(body[8 : 8 + header_length]).get("__metadata__") or {}
     try:
         return _Metadata(prompts=json.loads(raw.get("prompts", "null")), fps=raw.get("fps"))
     except json.JSONDecodeError:

@@ -47,16 +47,23 @@ def main() -> None:
     reported = [None] * world
     dist.all_gather_object(reported, [entry.model_dump() for entry in entries])
     if distributed.is_main():
-        store.commit_manifest(STEP, {r: [FileEntry(**entry) for entry in files] for r, files in enumerate(reported)},
-                              world_size=world, config_hash="c", run_id="run-a")
+        store.commit_manifest(
+            STEP,
+            {r: [FileEntry(**entry) for entry in files] for r, files in enumerate(reported)},
+            world_size=world,
+            config_hash="c",
+            run_id="run-a",
+        )
     distributed.barrier()
 
     store.download(STEP, node / "restore")
     fresh = engine_for(args.stage, "full", seed=1)
     load_engine_checkpoint(fresh, node / "restore", TAG, load_module_strict=True)
     loaded = trainable_weights(fresh)
-    report = {"loaded_equal": all(torch.equal(expected[name], loaded[name]) for name in expected),
-              "uploaded": sorted(entry.path for entry in entries)}
+    report = {
+        "loaded_equal": all(torch.equal(expected[name], loaded[name]) for name in expected),
+        "uploaded": sorted(entry.path for entry in entries),
+    }
     (args.out / f"report_rank{rank}.json").write_text(json.dumps(report))
 
 

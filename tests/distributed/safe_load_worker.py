@@ -38,8 +38,12 @@ class Toy(torch.nn.Module):
 
 
 def engine_for(stage: str, kind: str, seed: int):
-    return build_engine(Toy(kind, seed), UpdateConfig(learning_rate=1e-2, micro_batch_size=1, seed=0),
-                        accumulation_steps=1, deepspeed_config_name=stage)
+    return build_engine(
+        Toy(kind, seed),
+        UpdateConfig(learning_rate=1e-2, micro_batch_size=1, seed=0),
+        accumulation_steps=1,
+        deepspeed_config_name=stage,
+    )
 
 
 def trainable_weights(engine) -> dict[str, torch.Tensor]:

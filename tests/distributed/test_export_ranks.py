@@ -37,8 +37,17 @@ def exports(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("exports")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     for world in WORLDS:
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--nnodes=1",
-                   f"--master-port={_free_port()}", str(WORKER), "--out", str(out)]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={world}",
+            "--nnodes=1",
+            f"--master-port={_free_port()}",
+            str(WORKER),
+            "--out",
+            str(out),
+        ]
         result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return out

@@ -35,8 +35,18 @@ if mode == "wait":
 def _launch(tmp_path: Path, mode: str, *extra: str) -> subprocess.Popen:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    command = [sys.executable, "-m", "pipeline.launch", *extra, "--standalone", "--nproc-per-node=2",
-               "--signals-to-handle=SIGTERM,SIGUSR1", str(script), mode, str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "pipeline.launch",
+        *extra,
+        "--standalone",
+        "--nproc-per-node=2",
+        "--signals-to-handle=SIGTERM,SIGUSR1",
+        str(script),
+        mode,
+        str(tmp_path),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

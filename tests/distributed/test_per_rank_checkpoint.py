@@ -24,9 +24,21 @@ REPO = Path(__file__).resolve().parents[2]
 def test_ranks_without_a_shared_folder_checkpoint_and_restore(tmp_path, stage):
     root = tmp_path / "store"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
-               f"--master-port={free_port()}", str(WORKER), "--stage", stage, "--root", str(root),
-               "--out", str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--nnodes=1",
+        f"--master-port={free_port()}",
+        str(WORKER),
+        "--stage",
+        stage,
+        "--root",
+        str(root),
+        "--out",
+        str(tmp_path),
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 

@@ -27,15 +27,17 @@ def run_worker(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # a world of one, set up by core.distributed.init
-    return subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=REPO)
+    return subprocess.run(
+        [sys.executable, str(WORKER), *args], env=env, capture_output=True, text=True, timeout=600, cwd=REPO
+    )
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("engines")
-    result = run_worker("save-and-load", "--out", str(out), "--stage", "zero2", "--stage", "zero3",
-                        "--kind", "lora", "--kind", "full")
+    result = run_worker(
+        "save-and-load", "--out", str(out), "--stage", "zero2", "--stage", "zero3", "--kind", "lora", "--kind", "full"
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return out
 
@@ -44,8 +46,13 @@ def test_genuine_checkpoints_load_and_consolidate(saved):
     report = json.loads((saved / "report.json").read_text())
     assert sorted(report) == ["zero2-full", "zero2-lora", "zero3-full", "zero3-lora"]
     for case, checks in report.items():
-        assert checks == {"differs_before": True, "loaded_equal": True, "next_step_equal": True,
-                          "consolidated_equal": True, "steps_restored": True}, case
+        assert checks == {
+            "differs_before": True,
+            "loaded_equal": True,
+            "next_step_equal": True,
+            "consolidated_equal": True,
+            "steps_restored": True,
+        }, case
 
 
 def test_a_planted_pickle_with_a_rewritten_manifest_is_refused_and_runs_nothing(saved, tmp_path):

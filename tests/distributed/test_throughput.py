@@ -29,8 +29,19 @@ def _free_port() -> int:
 def report(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--nnodes=1",
-               f"--master-port={_free_port()}", str(WORKER), "--out", str(out), "--deepspeed-config", request.param]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=1",
+        "--nnodes=1",
+        f"--master-port={_free_port()}",
+        str(WORKER),
+        "--out",
+        str(out),
+        "--deepspeed-config",
+        request.param,
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return json.loads((out / f"report_{request.param}.json").read_text())
@@ -48,7 +59,7 @@ def test_the_second_update_on_a_rollout_moves_the_ratio_and_the_clip_and_velocit
     # Only the second update can leave 1 (the first is on-policy, above): it did, past the clip range.
     assert max(two["ratio_max"] - 1, 1 - two["ratio_min"]) > 1e-4
     assert two["clip_fraction"] > 0
-    assert two["velocity_kl"] > 0   # the lagged policy is the first update's start, the policy moved since
+    assert two["velocity_kl"] > 0  # the lagged policy is the first update's start, the policy moved since
 
 
 def test_batched_transitions_stay_on_policy_within_the_tolerance_and_give_the_same_loss(report):
@@ -65,6 +76,6 @@ def test_batched_transitions_stay_on_policy_within_the_tolerance_and_give_the_sa
 def test_the_ema_follows_its_formula_swaps_in_and_out_and_resumes_bit_identically(report):
     ema = report["ema"]
     assert ema["ema_formula_error"] < 1e-6
-    assert ema["ema_moved"] > 1e-4                 # it is not the policy
+    assert ema["ema_moved"] > 1e-4  # it is not the policy
     assert ema["policy_restored_after_swap"]
     assert ema["resume_weights_identical"] and ema["resume_ema_identical"]

@@ -20,8 +20,14 @@ SETTINGS = {"none": {"strategy": "none"}, "default": {}, "paper": {"preset": "pa
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("trust") / "report.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(WORKER), "--out", str(out), "--settings", json.dumps(SETTINGS)],
-                            env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, str(WORKER), "--out", str(out), "--settings", json.dumps(SETTINGS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr[-6000:]
     return json.loads(out.read_text())
 

@@ -27,8 +27,16 @@ def _free_port() -> int:
 
 def _torchrun(ranks: int, *args: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--nnodes=1",
-               f"--master-port={_free_port()}", str(WORKER), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={ranks}",
+        "--nnodes=1",
+        f"--master-port={_free_port()}",
+        str(WORKER),
+        *args,
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 

@@ -26,8 +26,18 @@ def _free_port() -> int:
 
 def _launch(world: int, out: Path, *extra: str) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--nnodes=1",
-               f"--master-port={_free_port()}", str(WORKER), "--out", str(out), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={world}",
+        "--nnodes=1",
+        f"--master-port={_free_port()}",
+        str(WORKER),
+        "--out",
+        str(out),
+        *extra,
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return [json.loads((out / f"report_rank{r}_world{world}.json").read_text()) for r in range(world)]
@@ -63,8 +73,8 @@ def test_anchor_refreshes_every_n_and_position_kl_resets(scenario):
     history = reports[2][0]["history"]
     # anchor_interval = 2: refreshed after updates 2 and 4 (update 4 is skipped, so after update 5's count of 4).
     assert [h["anchor_refreshes"] for h in history[:3]] == [0, 1, 1]
-    assert history[1]["position_kl"] > 0          # policy moved once away from the anchor
-    assert history[2]["position_kl"] == 0.0       # measured right after the refresh
+    assert history[1]["position_kl"] > 0  # policy moved once away from the anchor
+    assert history[2]["position_kl"] == 0.0  # measured right after the refresh
 
 
 def test_nan_loss_on_one_rank_skips_the_step_on_all_ranks(scenario):

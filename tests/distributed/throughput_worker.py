@@ -18,7 +18,7 @@ from stages.update import TrustRegionConfig, UpdateConfig, Updater, build_engine
 
 PROMPTS = ["a red ball bouncing", "a blue car driving at night"]
 REWARDS = [0.1, 0.9, 0.7, 0.2]
-SDE = SDEConfig(variant="sage", eta=0.7, steps=4, shift=3.0)   # 3 trained steps: 4 chunks x 3 = 12 transitions
+SDE = SDEConfig(variant="sage", eta=0.7, steps=4, shift=3.0)  # 3 trained steps: 4 chunks x 3 = 12 transitions
 
 
 def gathered(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -34,9 +34,12 @@ def build(deepspeed_config: str, **options) -> tuple[Updater, object]:
     adapter.transformer.requires_grad_(True)
     rollout = generate(adapter, PROMPTS, 2, SDE, seed=7, batch_size=1, progress=False)
     config = UpdateConfig(learning_rate=1e-2, micro_batch_size=1, seed=3, **options)
-    engine = build_engine(adapter.transformer, config, deepspeed_config_name=deepspeed_config,
-                          accumulation_steps=config.accumulation_steps(rollout.num_samples,
-                                                                      int(rollout.trained_steps.sum())))
+    engine = build_engine(
+        adapter.transformer,
+        config,
+        deepspeed_config_name=deepspeed_config,
+        accumulation_steps=config.accumulation_steps(rollout.num_samples, int(rollout.trained_steps.sum())),
+    )
     updater = Updater(engine, adapter, config, TrustRegionConfig(strategy="dual", kl_grad_ratio_every=0))
     return updater, rollout
 
@@ -77,10 +80,13 @@ def ema_scenario(deepspeed_config: str, out: Path) -> dict:
     with resumed.ema_swapped_in():
         resumed_ema = gathered(resumed.engine.module)
     resumed_policy = gathered(resumed.engine.module)
-    return {"ema_formula_error": formula_error, "ema_moved": max_difference(ema, policy),
-            "policy_restored_after_swap": restored_exactly,
-            "resume_weights_identical": all(torch.equal(v, policy[k]) for k, v in resumed_policy.items()),
-            "resume_ema_identical": all(torch.equal(v, ema[k]) for k, v in resumed_ema.items())}
+    return {
+        "ema_formula_error": formula_error,
+        "ema_moved": max_difference(ema, policy),
+        "policy_restored_after_swap": restored_exactly,
+        "resume_weights_identical": all(torch.equal(v, policy[k]) for k, v in resumed_policy.items()),
+        "resume_ema_identical": all(torch.equal(v, ema[k]) for k, v in resumed_ema.items()),
+    }
 
 
 def main():
@@ -91,8 +97,11 @@ def main():
     distributed.init()
     out = Path(args.out)
     report = {}
-    for name, options in {"one": {}, "two_updates": {"updates_per_rollout": 2},
-                          "three_per_forward": {"transitions_per_micro_step": 3}}.items():
+    for name, options in {
+        "one": {},
+        "two_updates": {"updates_per_rollout": 2},
+        "three_per_forward": {"transitions_per_micro_step": 3},
+    }.items():
         updater, rollout = build(args.deepspeed_config, **options)
         report[name] = updater.update(rollout, advantages(rollout))
         report[name]["micro_steps_per_update"] = updater.engine.gradient_accumulation_steps()

@@ -43,8 +43,11 @@ def train(trust: dict, updates: int) -> dict:
     adapter.transformer.requires_grad_(True)
     config = UpdateConfig(learning_rate=3e-3, micro_batch_size=GROUP, seed=1)
     samples = len(PROMPTS) * GROUP
-    engine = build_engine(adapter.transformer, config, accumulation_steps=accumulation_steps(
-        samples, GROUP, int(SDE.trained_steps_mask().sum())))
+    engine = build_engine(
+        adapter.transformer,
+        config,
+        accumulation_steps=accumulation_steps(samples, GROUP, int(SDE.trained_steps_mask().sum())),
+    )
     start = Anchor.snapshot(engine.module)
     updater = Updater(engine, adapter, config, TrustRegionConfig(**trust, kl_grad_ratio_every=1))
     probe = generate(adapter, PROMPTS, 2, SDE, seed=999, batch_size=GROUP, decode=False, progress=False)
@@ -54,8 +57,11 @@ def train(trust: dict, updates: int) -> dict:
         rewards = rollout.latents[:, -1].mean(dim=(1, 2, 3, 4)).cpu()
         metrics = updater.update(rollout, group_advantages(rewards, rollout.group_ids))
         history.append(metrics | {"reward": float(rewards.mean())})
-    return {"kl_to_start": kl_to(start, adapter, engine, probe), "history": history,
-            "state": updater.state_dict()["lagged"] is not None}
+    return {
+        "kl_to_start": kl_to(start, adapter, engine, probe),
+        "history": history,
+        "state": updater.state_dict()["lagged"] is not None,
+    }
 
 
 def main():

@@ -55,8 +55,9 @@ def main():
     # Each rank rolls out its own prompts' groups; per-sample seeds make them the samples a single process draws.
     per_rank = len(PROMPTS) // world
     mine = list(range(rank * per_rank, (rank + 1) * per_rank))
-    local_rollout = generate(adapter, [PROMPTS[i] for i in mine], GROUP_SIZE, sde_config, seed=7, prompt_ids=mine,
-                             batch_size=1)
+    local_rollout = generate(
+        adapter, [PROMPTS[i] for i in mine], GROUP_SIZE, sde_config, seed=7, prompt_ids=mine, batch_size=1
+    )
     rewards = torch.tensor(REWARDS).view(len(PROMPTS), GROUP_SIZE)[mine].flatten()
     local_advantages = group_advantages(rewards, local_rollout.group_ids)
     samples_per_rank = per_rank * GROUP_SIZE
@@ -64,8 +65,9 @@ def main():
     update_config = UpdateConfig(learning_rate=1e-3, micro_batch_size=1, seed=3)
     trust_config = TrustRegionConfig(strategy="dual", anchor_interval=2, kl_grad_ratio_every=1)
     steps = int(local_rollout.trained_steps.sum())
-    engine = build_engine(adapter.transformer, update_config,
-                          accumulation_steps=accumulation_steps(samples_per_rank, 1, steps))
+    engine = build_engine(
+        adapter.transformer, update_config, accumulation_steps=accumulation_steps(samples_per_rank, 1, steps)
+    )
     frozen_before = gathered_state(engine.module, trainable=False)
     trainable_before = gathered_state(engine.module, trainable=True)
     updater = Updater(engine, adapter, update_config, trust_config)

@@ -3,6 +3,7 @@ so that requests cross a real socket and botocore's retries, timeouts and transf
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -47,8 +48,13 @@ class MotoServer:
 
     def _wait_until_answering(self) -> None:
         try:
-            wait_until_answering(f"{self.endpoint_url}/moto-api/", self._process, STARTUP_TIMEOUT_S,
-                                 on_failure=lambda: self._log.read_text()[-2000:], any_http_answer=True)
+            wait_until_answering(
+                f"{self.endpoint_url}/moto-api/",
+                self._process,
+                STARTUP_TIMEOUT_S,
+                on_failure=lambda: self._log.read_text()[-2000:],
+                any_http_answer=True,
+            )
         except RuntimeError:
             self.stop()
             raise
@@ -114,10 +120,8 @@ def _forward(source: socket.socket, sink: socket.socket) -> None:
 
 def _cut(sock: socket.socket) -> None:
     # shutdown() wakes threads blocked in accept() or recv() on the socket; close() alone does not on Linux.
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
     sock.close()
 
 

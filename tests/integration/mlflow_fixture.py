@@ -6,6 +6,7 @@ It is module-scoped because the server takes 10-20 s to start.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -32,9 +33,18 @@ class MlflowServer:
 
     def start(self) -> None:
         command = [
-            str(MLFLOW), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-            "--backend-store-uri", f"sqlite:///{self._workdir / 'mlflow.db'}",
-            "--artifacts-destination", str(self._workdir / "artifacts"),
+            str(MLFLOW),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{self._workdir / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(self._workdir / "artifacts"),
         ]
         # The job runner is a second process the tests never use; skipping it makes start-up faster.
         environment = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
@@ -48,18 +58,20 @@ class MlflowServer:
     def stop(self) -> None:
         if self._process is None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self._process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self._process.wait(timeout=30)
         self._process = None
 
     def _wait_until_healthy(self) -> None:
         log = self._workdir / "mlflow-server.log"
         try:
-            wait_until_answering(f"{self.url}/health", self._process, STARTUP_TIMEOUT_S,
-                                 on_failure=lambda: log.read_text(errors="replace")[-2000:])
+            wait_until_answering(
+                f"{self.url}/health",
+                self._process,
+                STARTUP_TIMEOUT_S,
+                on_failure=lambda: log.read_text(errors="replace")[-2000:],
+            )
         except RuntimeError:
             self.stop()
             raise

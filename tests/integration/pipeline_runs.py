@@ -12,24 +12,52 @@ DEMO = REPO / "configs" / "demo.yaml"
 
 # The demo, shortened: 4 SDE steps, 2 prompts x group 2 per rank, evaluation and checkpoints every 2 iterations.
 SHORT = [
-    "sde.steps=4", "rollout.group_size=2", "rollout.prompts_per_rank=2", "update.micro_batch_size=2",
-    "eval.every=2", "eval.num_prompts=2", "eval.write_videos=1", "checkpoint.every=2", "trust_region.anchor_interval=2",
+    "sde.steps=4",
+    "rollout.group_size=2",
+    "rollout.prompts_per_rank=2",
+    "update.micro_batch_size=2",
+    "eval.every=2",
+    "eval.num_prompts=2",
+    "eval.write_videos=1",
+    "checkpoint.every=2",
+    "trust_region.anchor_interval=2",
 ]
 
 
 def environment(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONUNBUFFERED": "1", **extra}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    }
 
 
 def sagegrpo_command(output_dir: Path, *overrides: str, flags: tuple[str, ...] = ()) -> list[str]:
-    return [sys.executable, "-m", "pipeline.cli", "run", str(DEMO), f"run.output_dir={output_dir}", *SHORT,
-            *overrides, *flags]
+    return [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "run",
+        str(DEMO),
+        f"run.output_dir={output_dir}",
+        *SHORT,
+        *overrides,
+        *flags,
+    ]
 
 
 def run_sagegrpo(output_dir: Path, *overrides: str, flags: tuple[str, ...] = (), timeout: int = 600):
-    return subprocess.run(sagegrpo_command(output_dir, *overrides, flags=flags), cwd=REPO, env=environment(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        sagegrpo_command(output_dir, *overrides, flags=flags),
+        cwd=REPO,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, float]]:

@@ -20,9 +20,26 @@ def test_export_from_a_checkpoint_equals_the_run_end_export_and_the_root_has_one
     run_end = load_file(tmp_path / "exports" / "step-2" / WEIGHTS)
 
     out = tmp_path / "exported"
-    exported = subprocess.run([sys.executable, "-m", "pipeline.cli", "export", str(DEMO), f"run.output_dir={tmp_path}",
-                               *SHORT, "--checkpoint", "auto", "--out", str(out)], cwd=REPO, env=environment(),
-                              capture_output=True, text=True, timeout=600)
+    exported = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "export",
+            str(DEMO),
+            f"run.output_dir={tmp_path}",
+            *SHORT,
+            "--checkpoint",
+            "auto",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert exported.stdout.strip() == str(out.resolve())  # the only stdout line
     again = load_file(out / WEIGHTS)

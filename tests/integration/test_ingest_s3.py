@@ -21,11 +21,13 @@ def test_jsonl_prompts_from_s3(s3_server, s3_bucket):
     s3 = boto3.client("s3", endpoint_url=s3_server)
     s3.put_object(Bucket=s3_bucket, Key="prompts/set.jsonl", Body="\n".join(lines).encode())
 
-    prompts = ingest(DataConfig(source=f"s3://{s3_bucket}/prompts/set.jsonl", s3_endpoint_url=s3_server,
-                                eval_fraction=0.0))
+    prompts = ingest(
+        DataConfig(source=f"s3://{s3_bucket}/prompts/set.jsonl", s3_endpoint_url=s3_server, eval_fraction=0.0)
+    )
 
     assert [(p.text, p.metadata) for p in prompts.train] == [
-        ("a cat surfing", {"style": "anime"}), ("a dog skiing", {"style": "real"}),
+        ("a cat surfing", {"style": "anime"}),
+        ("a dog skiing", {"style": "real"}),
     ]
     assert prompts.report.skipped["undecodable"] == [2] and prompts.report.skipped["duplicate"] == [3]
 

@@ -27,8 +27,15 @@ def _check_tracked_run(tracking_uri: str, experiment: str, iterations: int):
     assert run.data.params["sde.variant"] == "sage" and run.data.params["rollout.group_size"] == "2"
     rewards = client.get_metric_history(run.info.run_id, "reward/mean")
     assert sorted(m.step for m in rewards) == list(range(1, iterations + 1))
-    for key in ("update/grad_norm", "update/lambda_kl", "update/logprob_mismatch", "reward/brightness/mean",
-                "time/rollout", "eval/reward", "advantage/abs_mean"):
+    for key in (
+        "update/grad_norm",
+        "update/lambda_kl",
+        "update/logprob_mismatch",
+        "reward/brightness/mean",
+        "time/rollout",
+        "eval/reward",
+        "advantage/abs_mean",
+    ):
         assert key in run.data.metrics, key
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"plots", "config.json", "eval"} <= artifacts
@@ -38,9 +45,16 @@ def _check_tracked_run(tracking_uri: str, experiment: str, iterations: int):
 
 
 def test_demo_single_process_against_mlflow_server(mlflow_server, tmp_path):
-    result = run_sagegrpo(tmp_path, "run.max_iterations=2", f"tracking.tracking_uri={mlflow_server.url}",
-                          "tracking.experiment=single", "lora.enabled=true", "lora.rank=4",
-                          "registry.model_name=demo-policy", "registry.promote=true")
+    result = run_sagegrpo(
+        tmp_path,
+        "run.max_iterations=2",
+        f"tracking.tracking_uri={mlflow_server.url}",
+        "tracking.experiment=single",
+        "lora.enabled=true",
+        "lora.rank=4",
+        "registry.model_name=demo-policy",
+        "registry.promote=true",
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "completed after 2 iteration(s)" in result.stdout
     run = _check_tracked_run(mlflow_server.url, "single", 2)
@@ -55,23 +69,60 @@ def test_demo_single_process_against_mlflow_server(mlflow_server, tmp_path):
 
     # The saved policy evaluates to the logged numbers and writes videos for a new prompt.
     same = [f"run.output_dir={tmp_path}", *SHORT, "lora.enabled=true", "lora.rank=4"]
-    evaluated = subprocess.run([sys.executable, "-m", "pipeline.cli", "eval", str(DEMO), *same, "--checkpoint",
-                                "auto"], cwd=REPO, env=environment(), capture_output=True, text=True, timeout=300)
+    evaluated = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "eval", str(DEMO), *same, "--checkpoint", "auto"],
+        cwd=REPO,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert json.loads(evaluated.stdout)["eval/reward"] == pytest.approx(run.data.metrics["eval/reward"], rel=1e-5)
-    sampled = subprocess.run([sys.executable, "-m", "pipeline.cli", "sample", str(DEMO), *same, "--checkpoint",
-                              "auto", "--prompt", "a red kite", "--out", str(tmp_path / "samples")],
-                             cwd=REPO, env=environment(), capture_output=True, text=True, timeout=300)
+    sampled = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "sample",
+            str(DEMO),
+            *same,
+            "--checkpoint",
+            "auto",
+            "--prompt",
+            "a red kite",
+            "--out",
+            str(tmp_path / "samples"),
+        ],
+        cwd=REPO,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert sampled.returncode == 0, sampled.stderr[-3000:]
     assert any((tmp_path / "samples").glob("sample_00.*"))
 
 
 def test_demo_two_processes_under_the_deepspeed_launcher(mlflow_server, tmp_path):
-    command = [str(REPO / ".venv" / "bin" / "deepspeed") if (REPO / ".venv/bin/deepspeed").exists() else "deepspeed",
-               "--num_gpus", "2", "--master_port", str(free_port()), "--module", "pipeline.cli", "run", str(DEMO),
-               f"run.output_dir={tmp_path}", *SHORT, "run.max_iterations=2",
-               f"tracking.tracking_uri={mlflow_server.url}", "tracking.experiment=two-ranks",
-               "registry.model_name=two-rank-policy", "registry.promote=true"]
+    command = [
+        str(REPO / ".venv" / "bin" / "deepspeed") if (REPO / ".venv/bin/deepspeed").exists() else "deepspeed",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--module",
+        "pipeline.cli",
+        "run",
+        str(DEMO),
+        f"run.output_dir={tmp_path}",
+        *SHORT,
+        "run.max_iterations=2",
+        f"tracking.tracking_uri={mlflow_server.url}",
+        "tracking.experiment=two-ranks",
+        "registry.model_name=two-rank-policy",
+        "registry.promote=true",
+    ]
     result = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
     run = _check_tracked_run(mlflow_server.url, "two-ranks", 2)
@@ -89,20 +140,34 @@ def test_demo_two_processes_under_the_deepspeed_launcher(mlflow_server, tmp_path
 def test_checkpoints_on_s3_commit_and_resume(s3_server, s3_bucket, tmp_path):
     import boto3
 
-    location = [f"checkpoint.uri=s3://{s3_bucket}/runs/demo", f"checkpoint.endpoint_url={s3_server}",
-                "checkpoint.addressing_style=path", "eval.every=0"]
+    location = [
+        f"checkpoint.uri=s3://{s3_bucket}/runs/demo",
+        f"checkpoint.endpoint_url={s3_server}",
+        "checkpoint.addressing_style=path",
+        "eval.every=0",
+    ]
     first = run_sagegrpo(tmp_path, "run.max_iterations=2", *location)
     assert first.returncode == 0, first.stderr[-4000:]
     second = run_sagegrpo(tmp_path, "run.max_iterations=3", *location, flags=("--resume", "auto"))
     assert second.returncode == 0, second.stderr[-4000:]
     assert "loaded checkpoint step-2" in second.stderr
-    keys = [o["Key"] for o in boto3.client("s3", endpoint_url=s3_server).list_objects_v2(
-        Bucket=s3_bucket, Prefix="runs/demo/")["Contents"]]
+    keys = [
+        o["Key"]
+        for o in boto3.client("s3", endpoint_url=s3_server).list_objects_v2(Bucket=s3_bucket, Prefix="runs/demo/")[
+            "Contents"
+        ]
+    ]
     assert "runs/demo/step-3/manifest.json" in keys and "runs/demo/latest" in keys
 
 
 def test_bad_config_is_one_line_and_exit_2(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(DEMO), "rollout.group_size=1"],
-                            cwd=REPO, env=environment(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "run", str(DEMO), "rollout.group_size=1"],
+        cwd=REPO,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "rollout.group_size" in result.stderr

@@ -16,8 +16,9 @@ HANGS = "rewards=[{name: 'tests.fixtures.user_rewards.kit:Hangs'}]"
 
 def test_sigterm_during_a_hanging_reward_exits_retryable_after_the_grace_period(tmp_path):
     command = sagegrpo_command(tmp_path, HANGS, "scoring.timeout_s=100000", "run.preemption_grace_s=3")
-    process = subprocess.Popen(command, cwd=REPO, env=environment(), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        command, cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         # The embedding cache is written during the first rollout; scoring (which hangs) comes right after.
         while not (tmp_path / "embedding-cache").exists():

@@ -14,8 +14,16 @@ CHECKS = ["schedule", "devices", "rewards", "on-policy first update", "trust reg
 
 
 def _preflight(tmp_path, *overrides):
-    command = [sys.executable, "-m", "pipeline.cli", "preflight", str(DEMO), f"run.output_dir={tmp_path}", *SHORT,
-               *overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "preflight",
+        str(DEMO),
+        f"run.output_dir={tmp_path}",
+        *SHORT,
+        *overrides,
+    ]
     return subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=600)
 
 
@@ -24,7 +32,7 @@ def _rows(stdout: str) -> dict[str, str]:
     for line in stdout.splitlines():
         for name in CHECKS:
             if line.startswith(name + " "):
-                rows[name] = line[len(name):].split()[0]
+                rows[name] = line[len(name) :].split()[0]
     return rows
 
 

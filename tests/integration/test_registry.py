@@ -54,9 +54,18 @@ class S3ArtifactsMlflowServer(MlflowServer):
 
     def start(self) -> None:
         command = [
-            str(MLFLOW), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-            "--backend-store-uri", f"sqlite:///{self._workdir / 'mlflow.db'}",
-            "--artifacts-destination", self._destination,
+            str(MLFLOW),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{self._workdir / 'mlflow.db'}",
+            "--artifacts-destination",
+            self._destination,
         ]
         environment = {**os.environ, **self._s3_environment, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         with open(self._workdir / "mlflow-server.log", "ab") as log:
@@ -80,8 +89,13 @@ def s3_artifacts(tmp_path_factory):
 
 
 def _s3(endpoint_url: str):
-    return boto3.client("s3", endpoint_url=endpoint_url, aws_access_key_id="testing",
-                        aws_secret_access_key="testing", region_name="us-east-1")
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +144,9 @@ def model_name() -> str:
 
 def register(client, model_name, trained, run_id, step: int, **metrics):
     _, export_dir = trained
-    return register_export(client, model_name, export_dir, run_id, metrics, export_key(run_id, step),
-                           base_model=TINY_BASE_MODEL)
+    return register_export(
+        client, model_name, export_dir, run_id, metrics, export_key(run_id, step), base_model=TINY_BASE_MODEL
+    )
 
 
 def aliases(client, model_name) -> dict[str, str]:
@@ -139,14 +154,21 @@ def aliases(client, model_name) -> dict[str, str]:
 
 
 def generate(pipeline, height: int = 32, width: int = 32, num_frames: int = 5) -> np.ndarray:
-    frames = pipeline(prompt=[PROMPT], height=height, width=width, num_frames=num_frames, output_type="np",
-                      num_inference_steps=GENERATION["num_inference_steps"],
-                      generator=torch.Generator().manual_seed(GENERATION["seed"])).frames
+    frames = pipeline(
+        prompt=[PROMPT],
+        height=height,
+        width=width,
+        num_frames=num_frames,
+        output_type="np",
+        num_inference_steps=GENERATION["num_inference_steps"],
+        generator=torch.Generator().manual_seed(GENERATION["seed"]),
+    ).frames
     return (frames * 255).round().clip(0, 255).astype("uint8")
 
 
 def test_registered_policy_loads_from_verified_artifacts_and_generates_the_trained_video(
-        client, model_name, trained, run_id, server):
+    client, model_name, trained, run_id, server
+):
     version = register(client, model_name, trained, run_id, step=10, **{"eval/reward": 0.5})
 
     policy = load_registered_policy(f"models:/{model_name}@{CHALLENGER}", tracking_uri=server.url)
@@ -163,8 +185,9 @@ def test_a_full_export_registers_and_generates_the_trained_video(client, model_n
     pipeline = tiny_hunyuan15_pipeline()
     perturb(pipeline.transformer.parameters(), scale=0.05)
     export_dir = export_full(pipeline.transformer, tmp_path / "full")
-    version = register_export(client, model_name, export_dir, run_id, {}, export_key(run_id, 30),
-                              base_model=TINY_BASE_MODEL)
+    version = register_export(
+        client, model_name, export_dir, run_id, {}, export_key(run_id, 30), base_model=TINY_BASE_MODEL
+    )
 
     policy = load_registered_policy(f"models:/{model_name}/{version.version}", tracking_uri=server.url)
     video = policy.predict([PROMPT], params=GENERATION)
@@ -173,16 +196,17 @@ def test_a_full_export_registers_and_generates_the_trained_video(client, model_n
     assert not np.array_equal(video, generate(tiny_hunyuan15_pipeline()))
 
 
-def test_a_registered_wan_policy_loads_back_on_the_base_model_its_export_names(client, model_name, run_id, server,
-                                                                              tmp_path):
+def test_a_registered_wan_policy_loads_back_on_the_base_model_its_export_names(
+    client, model_name, run_id, server, tmp_path
+):
     # seed 1: the base weights come from the recorded kwargs, not from the factory's default (seed 0).
     trained = tiny_wan(seed=1)
     add_lora(trained.transformer, LoraConfig(enabled=True, rank=4, alpha=8.0))
     perturb((param for param in trained.transformer.parameters() if param.requires_grad), scale=0.2)
-    export_dir = export_lora(trained.transformer, tmp_path / "wan-lora",
-                             model=model_record("tiny-wan", kwargs={"seed": 1}))
-    version = register_export(client, model_name, export_dir, run_id, {}, export_key(run_id, 40),
-                              base_model="tiny-wan")
+    export_dir = export_lora(
+        trained.transformer, tmp_path / "wan-lora", model=model_record("tiny-wan", kwargs={"seed": 1})
+    )
+    version = register_export(client, model_name, export_dir, run_id, {}, export_key(run_id, 40), base_model="tiny-wan")
 
     policy = load_registered_policy(f"models:/{model_name}/{version.version}", tracking_uri=server.url)
     video = policy.predict([PROMPT], params=GENERATION)
@@ -227,7 +251,8 @@ def test_tampered_artifacts_are_detected_at_load(client, model_name, trained, ru
 
 
 def test_rerun_after_a_crash_between_create_and_alias_creates_no_second_version(
-        client, model_name, trained, run_id, monkeypatch):
+    client, model_name, trained, run_id, monkeypatch
+):
     def crash(*args, **kwargs):
         raise RuntimeError("killed before the alias was set")
 
@@ -294,7 +319,8 @@ def test_dry_run_changes_nothing(client, model_name, trained, run_id):
 
 
 def test_promote_cli_prints_the_decision_and_reports_unknown_models_as_user_errors(
-        client, model_name, trained, run_id, server, capsys):
+    client, model_name, trained, run_id, server, capsys
+):
     from pipeline.cli import build_parser
 
     parser = build_parser()
@@ -313,16 +339,22 @@ def test_promote_cli_prints_the_decision_and_reports_unknown_models_as_user_erro
 
 
 def test_promote_cli_takes_the_gate_and_tracking_server_from_a_run_config(
-        client, model_name, trained, run_id, server, tmp_path, capsys):
+    client, model_name, trained, run_id, server, tmp_path, capsys
+):
     import yaml
 
     from pipeline.cli import build_parser
 
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({
-        "data": {"source": "prompts.txt"}, "tracking": {"tracking_uri": server.url},
-        "registry": {"model_name": model_name, "margin": 0.2, "guards": {"eval/aesthetic": 0.1}},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "data": {"source": "prompts.txt"},
+                "tracking": {"tracking_uri": server.url},
+                "registry": {"model_name": model_name, "margin": 0.2, "guards": {"eval/aesthetic": 0.1}},
+            }
+        )
+    )
     parser = build_parser()
     run = lambda *argv: (args := parser.parse_args(["promote", "--config", str(config), *argv])).handler(args)
     champion = register(client, model_name, trained, run_id, step=1, **{"eval/reward": 0.5, "eval/aesthetic": 0.8})
@@ -354,7 +386,8 @@ print(json.dumps({"core": core.__file__, "sha256": hashlib.sha256(video.tobytes(
 
 
 def test_a_registered_model_carries_its_code_and_pinned_requirements_and_loads_in_a_fresh_process(
-        client, model_name, trained, run_id, server, tmp_path):
+    client, model_name, trained, run_id, server, tmp_path
+):
     """What ``mlflow models serve`` needs: the code the pyfunc imports and its requirements, pinned (a real serve
     builds a virtualenv from them, too slow for this suite; the fresh interpreter stands in for the server)."""
     import mlflow.artifacts
@@ -363,8 +396,9 @@ def test_a_registered_model_carries_its_code_and_pinned_requirements_and_loads_i
 
     version = register(client, model_name, trained, run_id, step=30)
     source = client.get_model_version_download_uri(model_name, version.version)
-    model_dir = Path(mlflow.artifacts.download_artifacts(source, dst_path=str(tmp_path / "model"),
-                                                         tracking_uri=server.url))
+    model_dir = Path(
+        mlflow.artifacts.download_artifacts(source, dst_path=str(tmp_path / "model"), tracking_uri=server.url)
+    )
     requirements = (model_dir / "requirements.txt").read_text().split()
     pinned = {line.split("==")[0]: line.split("==")[1] for line in requirements if "==" in line}
     assert pinned["torch"] == torch.__version__.split("+")[0] and {"diffusers", "peft", "deepspeed"} <= set(pinned)
@@ -375,8 +409,14 @@ def test_a_registered_model_carries_its_code_and_pinned_requirements_and_loads_i
     assert not list(code.rglob("__pycache__"))
 
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, "-c", FRESH_LOAD, str(model_dir), PROMPT, json.dumps(GENERATION)],
-                            cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", FRESH_LOAD, str(model_dir), PROMPT, json.dumps(GENERATION)],
+        cwd=tmp_path,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
     assert Path(loaded["core"]).resolve().is_relative_to((model_dir / "code").resolve())  # the logged code ran

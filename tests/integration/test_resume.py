@@ -24,8 +24,16 @@ from tests.integration.pipeline_runs import (
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-COMPARED = ["reward/mean", "reward/std", "update/loss", "update/position_kl", "update/velocity_kl",
-            "update/lambda_kl", "update/grad_norm", "eval/reward"]
+COMPARED = [
+    "reward/mean",
+    "reward/std",
+    "update/loss",
+    "update/position_kl",
+    "update/velocity_kl",
+    "update/lambda_kl",
+    "update/grad_norm",
+    "eval/reward",
+]
 KINDS = {"lora": ("lora.enabled=true", "lora.rank=4", "lora.alpha=4"), "full": ()}
 
 
@@ -65,8 +73,14 @@ def test_stop_and_resume_equals_the_straight_run(straight_run, tmp_path):
 
 
 def _start(output: Path, kind: str) -> subprocess.Popen:
-    return subprocess.Popen(sagegrpo_command(output, "run.max_iterations=4", *KINDS[kind]), cwd=REPO,
-                            env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        sagegrpo_command(output, "run.max_iterations=4", *KINDS[kind]),
+        cwd=REPO,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _wait_for(predicate, process: subprocess.Popen, timeout: float = 300) -> None:

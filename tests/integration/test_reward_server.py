@@ -42,9 +42,11 @@ def user_rewards_importable(monkeypatch):
 
 
 # The server as ``sagegrpo serve-reward`` runs it, with ServerSettings given directly (the bounds are small here).
-LAUNCH = ("import json, logging, sys; from core.rewards.server import ServerSettings, load_reward_specs, serve; "
-          "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s'); "
-          "serve(load_reward_specs(sys.argv[1]), '127.0.0.1', 0, 'cpu', ServerSettings(**json.loads(sys.argv[2])))")
+LAUNCH = (
+    "import json, logging, sys; from core.rewards.server import ServerSettings, load_reward_specs, serve; "
+    "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s'); "
+    "serve(load_reward_specs(sys.argv[1]), '127.0.0.1', 0, 'cpu', ServerSettings(**json.loads(sys.argv[2])))"
+)
 
 
 class Served:
@@ -58,8 +60,9 @@ class Served:
         command = [sys.executable, "-c", LAUNCH, str(config), json.dumps(settings)] if settings or env else cli
         self._log_path = tmp_path / "server.log"
         with self._log_path.open("w") as log:
-            self.process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=log,
-                                            text=True)
+            self.process = subprocess.Popen(
+                command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=log, text=True
+            )
         line = self.process.stdout.readline()
         if not line.startswith("serving rewards on "):
             self.stop()
@@ -91,8 +94,9 @@ def server(tmp_path_factory):
 
 def batch():
     generator = torch.Generator().manual_seed(5)
-    return VideoBatch([torch.randint(0, 256, (8, 40, 56, 3), dtype=torch.uint8, generator=generator)
-                       for _ in range(5)], fps=4.0)
+    return VideoBatch(
+        [torch.randint(0, 256, (8, 40, 56, 3), dtype=torch.uint8, generator=generator) for _ in range(5)], fps=4.0
+    )
 
 
 PROMPTS = ["a red car", "blood on the floor", "a cat", "the sky", "a dog running"]
@@ -100,16 +104,25 @@ PROMPTS = ["a red car", "blood on the floor", "a cat", "the sky", "a dog running
 
 def test_health_lists_the_served_rewards(server):
     with urllib.request.urlopen(f"{server}/health", timeout=10) as response:
-        assert json.load(response) == {"status": "ok", "rewards": [reward["name"] for reward in SERVED_REWARDS],
-                                       "max_body_bytes": 1024 * 2**20}
+        assert json.load(response) == {
+            "status": "ok",
+            "rewards": [reward["name"] for reward in SERVED_REWARDS],
+            "max_body_bytes": 1024 * 2**20,
+        }
 
 
 def test_remote_scores_equal_in_process_scores(server):
-    remote = Scorer([RewardSpec(name="remote", kwargs={"url": server, "batch_size": 2, "timeout": 60},
-                                weights=CLIENT_WEIGHTS)], retries=0)
-    local = Scorer([RewardSpec(name="tiny-videoalign", weights="setting_b"),
-                    RewardSpec(name="brightness", kwargs={"target": 0.8}, weights={"brightness": 2.0}),
-                    RewardSpec(name="user_rewards.safety:KeywordSafety", weights={"safety": 1.0})])
+    remote = Scorer(
+        [RewardSpec(name="remote", kwargs={"url": server, "batch_size": 2, "timeout": 60}, weights=CLIENT_WEIGHTS)],
+        retries=0,
+    )
+    local = Scorer(
+        [
+            RewardSpec(name="tiny-videoalign", weights="setting_b"),
+            RewardSpec(name="brightness", kwargs={"target": 0.8}, weights={"brightness": 2.0}),
+            RewardSpec(name="user_rewards.safety:KeywordSafety", weights={"safety": 1.0}),
+        ]
+    )
     over_http, in_process = remote.score(batch(), PROMPTS), local.score(batch(), PROMPTS)
     assert set(over_http.dimensions) == {"VQ", "MQ", "TA", "Overall", "brightness", "safety", "prompt_words"}
     for name, values in in_process.dimensions.items():
@@ -119,16 +132,26 @@ def test_remote_scores_equal_in_process_scores(server):
 
 
 def test_server_down_retries_then_scores_none(caplog):
-    with socket.socket() as probe:             # a port nobody listens on
+    with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    scorer = Scorer([RewardSpec(name="remote", kwargs={"url": f"http://127.0.0.1:{port}", "retries": 2,
-                                                       "backoff": 0.0, "timeout": 5}, weights={"VQ": 1.0})],
-                    max_failed_fraction=1.0)
+    scorer = Scorer(
+        [
+            RewardSpec(
+                name="remote",
+                kwargs={"url": f"http://127.0.0.1:{port}", "retries": 2, "backoff": 0.0, "timeout": 5},
+                weights={"VQ": 1.0},
+            )
+        ],
+        max_failed_fraction=1.0,
+    )
     with caplog.at_level(logging.WARNING, logger="urllib3.connectionpool"):
         result = scorer.score(batch(), PROMPTS)
-    retries = [record for record in caplog.records if record.name == "urllib3.connectionpool"
-               and "Retrying" in record.getMessage()]
+    retries = [
+        record
+        for record in caplog.records
+        if record.name == "urllib3.connectionpool" and "Retrying" in record.getMessage()
+    ]
     assert len(retries) == 2
     assert result.total == [None] * 5 and result.dimensions["VQ"] == [None] * 5
     assert scorer.failures["remote"] == 5
@@ -137,23 +160,32 @@ def test_server_down_retries_then_scores_none(caplog):
 def test_failing_served_reward_answers_500_and_the_client_retries_it(tmp_path, caplog):
     served = Served(tmp_path, [{"name": "user_rewards.safety:Flaky", "kwargs": {"failures": 100}}])
     try:
-        scorer = Scorer([RewardSpec(name="remote", kwargs={"url": served.url, "retries": 1, "backoff": 0.0})],
-                        max_failed_fraction=1.0)
+        scorer = Scorer(
+            [RewardSpec(name="remote", kwargs={"url": served.url, "retries": 1, "backoff": 0.0})],
+            max_failed_fraction=1.0,
+        )
         with caplog.at_level(logging.WARNING):
             result = scorer.score(batch()[:2], PROMPTS[:2])
     finally:
         served.stop()
     assert result.total == [None, None] and result.failed == {"remote": 2}
-    assert any("answered 500" in record.getMessage() and "judge API timed out" in record.getMessage()
-               for record in caplog.records)
+    assert any(
+        "answered 500" in record.getMessage() and "judge API timed out" in record.getMessage()
+        for record in caplog.records
+    )
     assert served.log().count("judge API timed out") == 2 and "Traceback" not in served.log()  # one line per failure
 
 
 def test_bad_config_exits_2_with_one_line(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text(yaml.safe_dump({"rewards": [{"name": "brightness", "wieghts": {"x": 1}}]}))
-    result = subprocess.run([sys.executable, "-m", "pipeline.cli", "serve-reward", str(config)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "serve-reward", str(config)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "rewards.0.wieghts" in result.stderr
 
@@ -179,8 +211,11 @@ def exchange(port: int, raw: bytes, *, timeout: float = 10.0) -> int | None:
 
 def post(body: bytes, *, length: object = None, extra: str = "") -> bytes:
     length = len(body) if length is None else length
-    head = f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n{extra}\r\n" if length != "" else \
-        f"POST /score HTTP/1.1\r\nHost: x\r\n{extra}\r\n"
+    head = (
+        f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n{extra}\r\n"
+        if length != ""
+        else f"POST /score HTTP/1.1\r\nHost: x\r\n{extra}\r\n"
+    )
     return head.encode() + body
 
 
@@ -209,8 +244,10 @@ MALFORMED = {  # name: (raw request, expected status)
     "fps text": (post(safetensors_body({"video_0": GOOD_VIDEO}, prompts='["a"]', fps="fast")), 400),
     "more prompts than videos": (post(safetensors_body({"video_0": GOOD_VIDEO}, prompts='["a", "b"]', fps="4")), 400),
     "misnamed tensor": (post(safetensors_body({"clip": GOOD_VIDEO}, prompts='["a"]', fps="4")), 400),
-    "float video": (post(safetensors_body({"video_0": video(2, 8, 8, 3, dtype=torch.float32)}, prompts='["a"]',
-                                          fps="4")), 400),
+    "float video": (
+        post(safetensors_body({"video_0": video(2, 8, 8, 3, dtype=torch.float32)}, prompts='["a"]', fps="4")),
+        400,
+    ),
     "3-d video": (post(safetensors_body({"video_0": video(8, 8, 3)}, prompts='["a"]', fps="4")), 400),
     "4 channels": (post(safetensors_body({"video_0": video(2, 8, 8, 4)}, prompts='["a"]', fps="4")), 400),
     "no frames": (post(safetensors_body({"video_0": video(0, 8, 8, 3)}, prompts='["a"]', fps="4")), 400),
@@ -251,7 +288,8 @@ def test_malformed_requests_each_get_their_4xx_and_one_log_line(small_server):
     assert "Traceback" not in log
     assert log.count("refused") == len(MALFORMED), log
     assert good_request(small_server.url)["brightness"] == pytest.approx(
-        Brightness()(batch()[:2], PROMPTS[:2])["brightness"])
+        Brightness()(batch()[:2], PROMPTS[:2])["brightness"]
+    )
 
 
 def test_a_slow_client_is_cut_after_the_read_timeout(small_server):
@@ -346,8 +384,11 @@ def test_a_token_is_required_when_configured_and_never_logged(tmp_path):
 
 def test_a_hanging_reward_answers_503_within_the_request_timeout(tmp_path):
     calls = tmp_path / "calls.txt"
-    served = Served(tmp_path, [{"name": "user_rewards.served:Sleepy",
-                                "kwargs": {"seconds": 60, "calls_file": str(calls)}}], request_timeout_s=1)
+    served = Served(
+        tmp_path,
+        [{"name": "user_rewards.served:Sleepy", "kwargs": {"seconds": 60, "calls_file": str(calls)}}],
+        request_timeout_s=1,
+    )
     try:
         started = time.monotonic()
         with pytest.raises(RewardUnavailable, match="503"):
@@ -363,10 +404,13 @@ def test_a_hanging_reward_answers_503_within_the_request_timeout(tmp_path):
 
 def test_concurrent_clients_are_batched_together_and_get_their_own_scores(tmp_path):
     calls = tmp_path / "calls.txt"
-    served = Served(tmp_path, [{"name": "user_rewards.served:Sleepy",
-                                "kwargs": {"seconds": 0.5, "calls_file": str(calls)}}], max_batch=16)
+    served = Served(
+        tmp_path,
+        [{"name": "user_rewards.served:Sleepy", "kwargs": {"seconds": 0.5, "calls_file": str(calls)}}],
+        max_batch=16,
+    )
     videos = batch()
-    clients = [(videos[index:index + 1], PROMPTS[index:index + 1]) for index in range(5)]
+    clients = [(videos[index : index + 1], PROMPTS[index : index + 1]) for index in range(5)]
     try:
         with ThreadPoolExecutor(len(clients)) as pool:
             results = list(pool.map(lambda client: RemoteReward(served.url, retries=0)(*client), clients))

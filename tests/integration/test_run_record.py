@@ -21,8 +21,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def tracker_for(server, run_dir, **overrides) -> Tracker:
-    return Tracker(TrackingConfig(tracking_uri=server.url, experiment="record", retry_interval_s=0, **overrides),
-                   run_dir)
+    return Tracker(
+        TrackingConfig(tracking_uri=server.url, experiment="record", retry_interval_s=0, **overrides), run_dir
+    )
 
 
 def test_environment_tags_name_the_commit_the_versions_and_the_image(monkeypatch, tmp_path):
@@ -45,8 +46,9 @@ def test_environment_tags_name_the_commit_the_versions_and_the_image(monkeypatch
 def test_describe_sets_tags_and_derived_params_and_a_resumed_run_keeps_them(mlflow_server, tmp_path):
     tracker = tracker_for(mlflow_server, tmp_path / "run", system_metrics=False)
     run_id = tracker.start({"seed": 1})
-    tracker.describe({"model": "tiny-hunyuan15", "sampler": "sage"}, {"derived.world_size": 2,
-                                                                      "derived.effective_batch": 16})
+    tracker.describe(
+        {"model": "tiny-hunyuan15", "sampler": "sage"}, {"derived.world_size": 2, "derived.effective_batch": 16}
+    )
     tracker.finish()
     run = MlflowClient(mlflow_server.url).get_run(run_id)
     assert run.data.params == {"seed": "1", "derived.world_size": "2", "derived.effective_batch": "16"}
@@ -55,8 +57,9 @@ def test_describe_sets_tags_and_derived_params_and_a_resumed_run_keeps_them(mlfl
 
     resumed = tracker_for(mlflow_server, tmp_path / "run", system_metrics=False)
     resumed.start({"seed": 1}, run_id=run_id)
-    resumed.describe({"model": "tiny-hunyuan15", "sampler": "sage"}, {"derived.world_size": 2,
-                                                                      "derived.effective_batch": 16})
+    resumed.describe(
+        {"model": "tiny-hunyuan15", "sampler": "sage"}, {"derived.world_size": 2, "derived.effective_batch": 16}
+    )
     resumed.finish()
     assert MlflowClient(mlflow_server.url).get_run(run_id).data.params == run.data.params
 
@@ -132,14 +135,17 @@ def test_images_by_step_and_an_appended_table(mlflow_server, tmp_path):
     run_id = tracker.start({"seed": 1})
     for step in (2, 4):
         tracker.log_image(np.full((8, 8, 3), 40 * step, dtype=np.uint8), key="eval/frames", step=step)
-        tracker.log_table({"iteration": [step, step], "prompt": ["a", "b"], "eval/reward": [0.1 * step, 0.5]},
-                          "eval_samples.json")
+        tracker.log_table(
+            {"iteration": [step, step], "prompt": ["a", "b"], "eval/reward": [0.1 * step, 0.5]}, "eval_samples.json"
+        )
     tracker.finish()
     client = MlflowClient(mlflow_server.url)
     images = [a.path for a in client.list_artifacts(run_id, "images") if a.path.endswith(".png")]
     # MLflow's image series layout (what its UI's step slider reads): images/<key with / as ~>+step+<step>+...
-    assert sorted(p.split("+")[:3] for p in images) == [["images/eval~frames", "step", "2"],
-                                                        ["images/eval~frames", "step", "4"]]
+    assert sorted(p.split("+")[:3] for p in images) == [
+        ["images/eval~frames", "step", "2"],
+        ["images/eval~frames", "step", "4"],
+    ]
     # Read as MLflow writes it (pandas "split" JSON); client.load_table's tag search finds no run on this server.
     table = pd.read_json(client.download_artifacts(run_id, "eval_samples.json", str(tmp_path)), orient="split")
     assert list(table["iteration"]) == [2, 2, 4, 4] and list(table["prompt"]) == ["a", "b", "a", "b"]
@@ -152,8 +158,13 @@ def test_eval_samples_reach_mlflow_as_a_frame_series_and_a_table(mlflow_server, 
     run_id = tracker.start({"seed": 1})
     frames = np.zeros((2, 3, 16, 16, 3), dtype=np.uint8)
     for iteration in (2, 4):
-        result = Evaluation({"eval/reward": 0.5}, [tmp_path / "eval_00.gif"], ["a fox", "a cat"],
-                            {"brightness": [0.4, None], "reward": [0.4, None]}, frames)
+        result = Evaluation(
+            {"eval/reward": 0.5},
+            [tmp_path / "eval_00.gif"],
+            ["a fox", "a cat"],
+            {"brightness": [0.4, None], "reward": [0.4, None]},
+            frames,
+        )
         log_samples(tracker, result, iteration, f"eval/iteration-{iteration:05d}")
     tracker.finish()
     client = MlflowClient(mlflow_server.url)
@@ -184,8 +195,11 @@ def test_system_metrics_go_on_after_an_outage(mlflow_server, tmp_path):
 
 def test_a_prompt_set_with_mixed_metadata_still_logs(mlflow_server, tmp_path):
     report = IngestReport(kept=3)
-    prompts = [Prompt("a", {"tags": ["x", "y"], "n": 1}, 1), Prompt("b", {"style": None}, 2),
-               Prompt("c", {"n": "s"}, 3)]
+    prompts = [
+        Prompt("a", {"tags": ["x", "y"], "n": 1}, 1),
+        Prompt("b", {"style": None}, 2),
+        Prompt("c", {"n": "s"}, 3),
+    ]
     tracker = tracker_for(mlflow_server, tmp_path / "run", system_metrics=False)
     run_id = tracker.start({"seed": 1})
     tracker.log_prompt_set(PromptSet(train=prompts, eval=[], report=report), "/data/prompts.jsonl")

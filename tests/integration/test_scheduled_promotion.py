@@ -51,9 +51,25 @@ def scheduled(tmp_path, mlflow_server):
     root, work = tmp_path / "scheduled", tmp_path / "work"
 
     def start(day: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "pipeline.cli", "schedule", str(config_path),
-                   "--prompts", str(prompt_dir), "--checkpoint-root", str(root), "--model", MODEL,
-                   "--work-dir", str(work), "--nproc-per-node", "1", "--date", day]
+        command = [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "schedule",
+            str(config_path),
+            "--prompts",
+            str(prompt_dir),
+            "--checkpoint-root",
+            str(root),
+            "--model",
+            MODEL,
+            "--work-dir",
+            str(work),
+            "--nproc-per-node",
+            "1",
+            "--date",
+            day,
+        ]
         # The steps run `sagegrpo` as the image does: from PATH.
         env = environment(PATH=f"{Path(sys.executable).parent}:{environment()['PATH']}")
         return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -91,8 +107,9 @@ def test_scheduled_job_trains_registers_and_promotes_only_a_better_challenger(sc
     assert second.run_id != first.run_id
     assert dict(client.get_registered_model(MODEL).aliases) == {CHALLENGER: second.version, CHAMPION: first.version}
     gain = _metric(second) - _metric(first)
-    assert second.tags[DECISION_TAG] == (f"rejected: eval/reward {_metric(second):.4g} vs {_metric(first):.4g}: "
-                                         f"gain {gain:+.4g} <= margin {MARGIN:g}")
+    assert second.tags[DECISION_TAG] == (
+        f"rejected: eval/reward {_metric(second):.4g} vs {_metric(first):.4g}: gain {gain:+.4g} <= margin {MARGIN:g}"
+    )
 
     # Starting again the same day trains nothing and registers nothing.
     assert "schedule: skip" in _ok(start(DAYS[1]))

@@ -81,7 +81,8 @@ def test_round_trip_with_multipart_upload_and_ranged_download(tmp_path, s3_serve
     manifest = json.loads(s3.get_object(Bucket=s3_bucket, Key=f"{PREFIX}/step-7/{MANIFEST_NAME}")["Body"].read())
     assert {entry["path"]: entry["sha256"] for entry in manifest["files"]} == {
         entry.relative_to(staged).as_posix(): hashlib.sha256(entry.read_bytes()).hexdigest()
-        for entry in staged.rglob("*") if entry.is_file()
+        for entry in staged.rglob("*")
+        if entry.is_file()
     }
     assert s3.get_object(Bucket=s3_bucket, Key=f"{PREFIX}/latest")["Body"].read() == b"7\n"
     assert store.list_steps() == [7] and store.resolve("auto") == 7
@@ -103,8 +104,9 @@ def flip_middle_byte(data: bytes) -> bytes:
 
 CORRUPTIONS = {
     "truncated_shard": lambda s3, bucket: put(s3, bucket, f"step-2/{SHARD}", get(s3, bucket, f"step-2/{SHARD}")[:100]),
-    "flipped_byte": lambda s3, bucket: put(s3, bucket, f"step-2/{SHARD}",
-                                           flip_middle_byte(get(s3, bucket, f"step-2/{SHARD}"))),
+    "flipped_byte": lambda s3, bucket: put(
+        s3, bucket, f"step-2/{SHARD}", flip_middle_byte(get(s3, bucket, f"step-2/{SHARD}"))
+    ),
     "zero_byte_file": lambda s3, bucket: put(s3, bucket, "step-2/pipeline_state.json", b""),
     "missing_manifest": lambda s3, bucket: s3.delete_object(Bucket=bucket, Key=f"{PREFIX}/step-2/{MANIFEST_NAME}"),
 }
@@ -203,8 +205,14 @@ def test_endpoint_down_during_upload_is_ridden_out_by_botocore_retries(
     tmp_path, restartable_s3_server, make_bucket, monkeypatch
 ):
     server = restartable_s3_server
-    store = s3_store(server.endpoint_url, make_bucket(server.endpoint_url), max_attempts=8, connect_timeout_s=1.0,
-                     multipart_threshold_bytes=1 * MiB, multipart_chunksize_bytes=5 * MiB)
+    store = s3_store(
+        server.endpoint_url,
+        make_bucket(server.endpoint_url),
+        max_attempts=8,
+        connect_timeout_s=1.0,
+        multipart_threshold_bytes=1 * MiB,
+        multipart_chunksize_bytes=5 * MiB,
+    )
     commit_step(store, tmp_path, 1)
     staged = stage_checkpoint(tmp_path / "staging-2", seed=2, files=SMALL_FILES | {"adapter/big.safetensors": 11 * MiB})
     restart = threading.Thread(target=lambda: (time.sleep(1.0), server.start()))
@@ -275,10 +283,13 @@ def test_a_second_run_cannot_commit_to_a_claimed_root(tmp_path, s3_server, s3_bu
 
 
 def test_ranks_upload_their_own_files_and_the_committer_writes_the_manifest(tmp_path, store):
-    per_rank = {0: {"engine/zero_pp_rank_0_mp_rank_00_optim_states.pt": 4000, "pipeline_state_rank0.pt": 100},
-                1: {"engine/zero_pp_rank_1_mp_rank_00_optim_states.pt": 4000, "pipeline_state_rank1.pt": 100}}
-    staged = {rank: stage_checkpoint(tmp_path / f"node{rank}", seed=rank, files=files)
-              for rank, files in per_rank.items()}
+    per_rank = {
+        0: {"engine/zero_pp_rank_0_mp_rank_00_optim_states.pt": 4000, "pipeline_state_rank0.pt": 100},
+        1: {"engine/zero_pp_rank_1_mp_rank_00_optim_states.pt": 4000, "pipeline_state_rank1.pt": 100},
+    }
+    staged = {
+        rank: stage_checkpoint(tmp_path / f"node{rank}", seed=rank, files=files) for rank, files in per_rank.items()
+    }
     store.begin_step(5, run_id="run-a")
     reported = {rank: store.upload_rank_files(5, rank, staged[rank]) for rank in staged}
     assert store.list_steps() == []
@@ -302,8 +313,10 @@ def test_a_broken_step_is_moved_aside_not_overwritten(tmp_path, store, s3, s3_bu
 
     commit_step(store, tmp_path, 2)
     store.verify(2)
-    aside = [item["Key"] for item in s3.list_objects_v2(Bucket=s3_bucket, Prefix=f"{PREFIX}/set-aside-step-2-")
-             .get("Contents", [])]
+    aside = [
+        item["Key"]
+        for item in s3.list_objects_v2(Bucket=s3_bucket, Prefix=f"{PREFIX}/set-aside-step-2-").get("Contents", [])
+    ]
     shard = [key for key in aside if key.endswith(SHARD)]
     assert len(shard) == 1 and s3.get_object(Bucket=s3_bucket, Key=shard[0])["Body"].read() == broken
     assert store.prune(keep_last=2) == []  # nothing set aside is ever a step to prune

@@ -3,6 +3,7 @@
 
 import json
 import logging
+from pathlib import Path
 
 import matplotlib
 import pytest
@@ -69,7 +70,7 @@ def test_params_are_flattened_and_masked_and_metrics_and_artifacts_arrive(mlflow
     assert listed() == ["plots", "resolved.yaml", "samples"]
     assert listed("samples") == ["samples/step-2.txt"] and listed("plots") == ["plots/loss.png"]
     downloaded = client.download_artifacts(run_id, "samples/step-2.txt", str(tmp_path / "down"))
-    assert open(downloaded).read() == "a video"
+    assert Path(downloaded).read_text() == "a video"
     assert not (tmp_path / "run" / BUFFER_FILE).exists()
 
 
@@ -166,15 +167,30 @@ def test_metric_name_problem_follows_mlflow():
 
 
 SECRET_CONFIG = {
-    "storage": {"Authorization": "Bearer eyJhbGci", "passwd": "hunter2", "auth": "basic-creds",
-                "cookie": "session=abc123", "session_token": "FQoGZXIvYXdzE"},
-    "data": {"prompts": "https://bucket.s3.amazonaws.com/p.jsonl?X-Amz-Algorithm=AWS4-HMAC-SHA256"
-                        "&X-Amz-Credential=AKIAEXAMPLE%2F20250101&X-Amz-Signature=deadbeef0123&X-Amz-Expires=3600",
-             "mirror": "https://acct.blob.core.windows.net/c/p.jsonl?sv=2022-11-02&sig=c2VjcmV0c2ln%3D&se=2030"},
+    "storage": {
+        "Authorization": "Bearer eyJhbGci",
+        "passwd": "hunter2",
+        "auth": "basic-creds",
+        "cookie": "session=abc123",
+        "session_token": "FQoGZXIvYXdzE",
+    },
+    "data": {
+        "prompts": "https://bucket.s3.amazonaws.com/p.jsonl?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+        "&X-Amz-Credential=AKIAEXAMPLE%2F20250101&X-Amz-Signature=deadbeef0123&X-Amz-Expires=3600",
+        "mirror": "https://acct.blob.core.windows.net/c/p.jsonl?sv=2022-11-02&sig=c2VjcmV0c2ln%3D&se=2030",
+    },
     "sde": {"sigma_max": 1.0, "signal": "on"},  # not secrets, though they start like "sig"
 }
-SECRET_VALUES = ["eyJhbGci", "hunter2", "basic-creds", "abc123", "FQoGZXIvYXdzE", "AKIAEXAMPLE", "deadbeef0123",
-                 "c2VjcmV0c2ln"]
+SECRET_VALUES = [
+    "eyJhbGci",
+    "hunter2",
+    "basic-creds",
+    "abc123",
+    "FQoGZXIvYXdzE",
+    "AKIAEXAMPLE",
+    "deadbeef0123",
+    "c2VjcmV0c2ln",
+]
 
 
 def test_auth_keys_and_signed_url_queries_are_masked_in_params_and_the_saved_config(mlflow_server, tmp_path):
@@ -186,7 +202,12 @@ def test_auth_keys_and_signed_url_queries_are_masked_in_params_and_the_saved_con
     for secret in SECRET_VALUES:
         assert secret not in json.dumps(params) and secret not in saved, secret
     assert {key for key, value in params.items() if value == "***"} == {
-        "storage.Authorization", "storage.passwd", "storage.auth", "storage.cookie", "storage.session_token"}
+        "storage.Authorization",
+        "storage.passwd",
+        "storage.auth",
+        "storage.cookie",
+        "storage.session_token",
+    }
     assert params["data.prompts"].startswith("https://bucket.s3.amazonaws.com/p.jsonl?X-Amz-Algorithm=AWS4-HMAC")
     assert "X-Amz-Signature=***" in params["data.prompts"] and "X-Amz-Expires=3600" in params["data.prompts"]
     assert "sig=***" in params["data.mirror"] and "sv=2022-11-02" in params["data.mirror"]

@@ -40,11 +40,26 @@ def _free_port() -> int:
 
 
 def _run(output: Path, ranks: int, iterations: int, resume: bool) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--nnodes=1",
-                f"--master-port={_free_port()}", "-m"]
-    command = [*launcher, "pipeline.cli", "run", str(DEMO), f"run.output_dir={output}", *OVERRIDES,
-               f"run.max_iterations={iterations}", f"tracking.tracking_uri=sqlite:///{output}/mlflow.db",
-               *(["--resume", "auto"] if resume else [])]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={ranks}",
+        "--nnodes=1",
+        f"--master-port={_free_port()}",
+        "-m",
+    ]
+    command = [
+        *launcher,
+        "pipeline.cli",
+        "run",
+        str(DEMO),
+        f"run.output_dir={output}",
+        *OVERRIDES,
+        f"run.max_iterations={iterations}",
+        f"tracking.tracking_uri=sqlite:///{output}/mlflow.db",
+        *(["--resume", "auto"] if resume else []),
+    ]
     result = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
@@ -57,7 +72,8 @@ def _prompts(output: Path, rank: int) -> dict[int, list[int]]:
 
 def _saved_lambda(output: Path, step: int) -> float:
     return load_torch(output / "checkpoints" / f"step-{step}" / "pipeline_state_rank0.pt")["updater"]["controller"][
-        "value"]
+        "value"
+    ]
 
 
 def test_two_ranks_then_one_then_two_continue_one_run(tmp_path):
@@ -69,8 +85,10 @@ def test_two_ranks_then_one_then_two_continue_one_run(tmp_path):
 
     tracking = f"sqlite:///{tmp_path}/mlflow.db"
     run_id = only_run_id(tracking)
-    history = {key: metric_history(tracking, run_id, key)
-               for key in ("reward/mean", "update/lambda_kl", "update/updates_done", "update/anchor_refreshes")}
+    history = {
+        key: metric_history(tracking, run_id, key)
+        for key in ("reward/mean", "update/lambda_kl", "update/updates_done", "update/anchor_refreshes")
+    }
     assert [step for step, _ in history["reward/mean"]] == [1, 2, 3, 4, 5, 6]
     lambdas = dict(history["update/lambda_kl"])
     assert lambdas[3] == _saved_lambda(tmp_path, 2) and lambdas[5] == _saved_lambda(tmp_path, 4)

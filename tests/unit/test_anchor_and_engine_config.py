@@ -65,14 +65,14 @@ def test_lagged_copy_commits_the_staged_weights_and_keeps_the_old_ones_until_the
 
     step()
     lagged.stage()  # the update's starting weights, start + 1
-    step()          # ... applied
+    step()  # ... applied
     with lagged.swapped_in():
         assert torch.equal(module[1].weight, start)  # until commit, the reference stays where it was
     lagged.commit()
     with lagged.swapped_in():
         assert torch.equal(module[1].weight, start + 1.0)  # one update behind the policy (start + 2)
     lagged.stage()
-    step()          # ... skipped: no commit, the reference stays one applied update behind
+    step()  # ... skipped: no commit, the reference stays one applied update behind
     restored = Anchor.snapshot(_module(), offload=offload)
     restored.load_state_dict(lagged.state_dict())
     assert torch.equal(restored._saved[0], start + 1.0) and restored.refreshes == 1
@@ -85,8 +85,9 @@ def test_anchor_rejects_a_checkpoint_of_other_shapes():
 
 
 def test_auto_fields_are_filled_from_the_run_config():
-    config = deepspeed_config("zero3", micro_batch_size=2, accumulation_steps=19, max_grad_norm=0.5, bf16=True,
-                              world_size=1)
+    config = deepspeed_config(
+        "zero3", micro_batch_size=2, accumulation_steps=19, max_grad_norm=0.5, bf16=True, world_size=1
+    )
     assert config["train_micro_batch_size_per_gpu"] == 2
     assert config["gradient_accumulation_steps"] == 19
     assert config["train_batch_size"] == 38
@@ -123,8 +124,16 @@ def test_accumulation_divides_the_rollout_into_equal_mini_batches_of_batched_tra
         accumulation_steps(8, 2, 6, transitions_per_micro_step=5)
 
 
-@pytest.mark.parametrize("key, value", [("updates_per_rollout", 0), ("transitions_per_micro_step", 0),
-                                        ("ema_decay", 1.0), ("ema_decay", 0.0), ("ema_decay", float("nan"))])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("updates_per_rollout", 0),
+        ("transitions_per_micro_step", 0),
+        ("ema_decay", 1.0),
+        ("ema_decay", 0.0),
+        ("ema_decay", float("nan")),
+    ],
+)
 def test_throughput_options_out_of_range_are_refused(key, value):
     with pytest.raises(ValueError, match=key):
         UpdateConfig(**{key: value})
@@ -143,5 +152,5 @@ def test_a_float32_ema_of_bf16_weights_moves_and_swaps_in_without_rounding_itsel
     policy, held = module.weight.detach().clone(), ema._saved[0].clone()
     with ema.swapped_in():
         assert torch.equal(module.weight, held.to(torch.bfloat16))
-    assert torch.equal(module.weight, policy)   # the policy is back exactly
-    assert torch.equal(ema._saved[0], held)     # and the float32 average was not rounded to bf16 by the swap
+    assert torch.equal(module.weight, policy)  # the policy is back exactly
+    assert torch.equal(ema._saved[0], held)  # and the float32 average was not rounded to bf16 by the swap

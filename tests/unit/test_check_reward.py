@@ -23,10 +23,14 @@ def user_rewards_importable(monkeypatch):
 
 def run_config(tmp_path, rewards, model_kwargs=None, styles=("anime", "anime", "real")):
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"prompt {i}", "style": style}) + "\n"
-                            for i, style in enumerate(styles)))
-    config = {"rewards": rewards, "data": {"source": str(data), "eval_fraction": 0.0},
-              "model": {"name": "tiny-hunyuan15", "kwargs": model_kwargs or {}}}
+    data.write_text(
+        "".join(json.dumps({"prompt": f"prompt {i}", "style": style}) + "\n" for i, style in enumerate(styles))
+    )
+    config = {
+        "rewards": rewards,
+        "data": {"source": str(data), "eval_fraction": 0.0},
+        "model": {"name": "tiny-hunyuan15", "kwargs": model_kwargs or {}},
+    }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
@@ -43,13 +47,16 @@ def test_a_config_reward_gets_the_sources_prompts_and_columns_and_is_reported(tm
     report = check(config, num_videos=3)
     assert "metadata columns: style" in report
     assert "style_match (weight 1)" in report
-    assert "style_match min 0  mean 0.6667  max 1  (no None)" in report      # anime, anime, real
+    assert "style_match min 0  mean 0.6667  max 1  (no None)" in report  # anime, anime, real
     assert "s/video" in report and "peak RSS" in report
 
 
 def test_videos_have_the_configured_size_else_the_defaults(tmp_path):
-    config = run_config(tmp_path, [{"name": "user_rewards.kit:Shape", "weights": {}}],
-                        model_kwargs={"num_frames": 3, "height": 16, "width": 24})
+    config = run_config(
+        tmp_path,
+        [{"name": "user_rewards.kit:Shape", "weights": {}}],
+        model_kwargs={"num_frames": 3, "height": 16, "width": 24},
+    )
     report = check(config, num_videos=2)
     assert "frames      min 3  mean 3  max 3" in report and "width       min 24" in report
     assert "(reported, not summed)" in report
@@ -69,15 +76,18 @@ def test_synthetic_videos_differ_between_videos_and_over_time():
     assert not (videos[0] == videos[1]).all() and not (videos[0][0] == videos[0][2]).all()
 
 
-@pytest.mark.parametrize("target, overrides, error, message", [
-    ("user_rewards.kit:Nope", [], UserError, "cannot load reward 'user_rewards.kit:Nope'"),
-    ("brightness", ["kwargs.traget=1"], UserError, "kwargs: Value error, got an unexpected keyword argument"),
-    ("user_rewards.kit:StyleMatch", [], UserError, "needs the prompt column(s) style"),
-    ("user_rewards.safety:WrongLength", [], UserError, "has 3 scores for 4 videos"),
-    ("user_rewards.kit:NeverScores", [], UserError, "scored none of the 4 videos"),
-    ("user_rewards.kit:Judge", [], UserError, "reports 2 dimensions (judge, judge_confidence) and no weights"),
-    ("user_rewards.kit:Exits", ["weights={}"], RewardFailure, "failed for 4 of 4 samples"),
-])
+@pytest.mark.parametrize(
+    "target, overrides, error, message",
+    [
+        ("user_rewards.kit:Nope", [], UserError, "cannot load reward 'user_rewards.kit:Nope'"),
+        ("brightness", ["kwargs.traget=1"], UserError, "kwargs: Value error, got an unexpected keyword argument"),
+        ("user_rewards.kit:StyleMatch", [], UserError, "needs the prompt column(s) style"),
+        ("user_rewards.safety:WrongLength", [], UserError, "has 3 scores for 4 videos"),
+        ("user_rewards.kit:NeverScores", [], UserError, "scored none of the 4 videos"),
+        ("user_rewards.kit:Judge", [], UserError, "reports 2 dimensions (judge, judge_confidence) and no weights"),
+        ("user_rewards.kit:Exits", ["weights={}"], RewardFailure, "failed for 4 of 4 samples"),
+    ],
+)
 def test_a_bad_reward_is_one_line(target, overrides, error, message):
     with pytest.raises(error) as raised:
         check(target, overrides)
@@ -86,8 +96,7 @@ def test_a_bad_reward_is_one_line(target, overrides, error, message):
 
 def test_a_rewards_only_file_is_checked_too(tmp_path):
     path = tmp_path / "served.yaml"
-    path.write_text(yaml.safe_dump({"rewards": [{"name": "brightness"}, {"name": "colorfulness"}],
-                                    "port": 8000}))
+    path.write_text(yaml.safe_dump({"rewards": [{"name": "brightness"}, {"name": "colorfulness"}], "port": 8000}))
     report = check(str(path), num_videos=1)
     assert "reward 'brightness': ok" in report and "reward 'colorfulness': ok" in report
 

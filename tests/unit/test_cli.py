@@ -22,17 +22,22 @@ def test_version_names_the_installed_distribution(capsys):
 
 
 def test_help_imports_neither_torch_nor_mlflow():
-    probe = "import sys; from pipeline import cli; cli.build_parser(); print(sorted({'torch', 'mlflow', " \
-            "'deepspeed'} & set(sys.modules)))"
+    probe = (
+        "import sys; from pipeline import cli; cli.build_parser(); print(sorted({'torch', 'mlflow', "
+        "'deepspeed'} & set(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
-@pytest.mark.parametrize("argv", [
-    ["run", DEMO, "--max-iterations", "4", "seed=3"],
-    ["run", DEMO, "seed=3", "--max-iterations", "4"],
-    ["run", "--max-iterations", "4", DEMO, "seed=3"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", DEMO, "--max-iterations", "4", "seed=3"],
+        ["run", DEMO, "seed=3", "--max-iterations", "4"],
+        ["run", "--max-iterations", "4", DEMO, "seed=3"],
+    ],
+)
 def test_options_and_overrides_in_any_order(argv):
     args = cli.parse_args(argv)
     assert (args.config, args.max_iterations, args.overrides) == (DEMO, 4, ["seed=3"])
@@ -51,8 +56,8 @@ def test_config_prints_the_validated_config_with_defaults_and_masked_secrets(cap
     out = capsys.readouterr().out
     resolved = yaml.safe_load(out)
     assert resolved["run"]["max_iterations"] == 3
-    assert resolved["update"]["micro_batch_size"] == 4           # from the YAML
-    assert "clip_range" in resolved["update"]                   # a default the YAML never names
+    assert resolved["update"]["micro_batch_size"] == 4  # from the YAML
+    assert "clip_range" in resolved["update"]  # a default the YAML never names
     assert "hunter2" not in out and "mlflow.internal" in out
 
 
@@ -71,8 +76,18 @@ def test_env_reports_versions_and_devices(capsys):
 
 
 def test_list_index_overrides_reach_into_lists(capsys):
-    assert cli.main(["config", DEMO, "rewards.0.weights={brightness: 1.0}", "rewards.0.weights.brightness=2",
-                     "rewards.1={name: colorfulness}"]) == 0
+    assert (
+        cli.main(
+            [
+                "config",
+                DEMO,
+                "rewards.0.weights={brightness: 1.0}",
+                "rewards.0.weights.brightness=2",
+                "rewards.1={name: colorfulness}",
+            ]
+        )
+        == 0
+    )
     rewards = yaml.safe_load(capsys.readouterr().out)["rewards"]
     assert rewards[0]["weights"] == {"brightness": 2.0} and rewards[1]["name"] == "colorfulness"
     assert cli.main(["config", DEMO, "rewards.5.name=brightness"]) == 2
@@ -85,17 +100,27 @@ def test_the_summary_never_prints_a_tracking_password(tmp_path):
     from pipeline.recipe import RunSummary
 
     config = load_run_config(DEMO)
-    summary = RunSummary("completed", 1, tmp_path, None, "https://bob:pa55word@mlflow.example:443", "abc",
-                         [{"reward/mean": float("nan"), "iteration": 1}])
+    summary = RunSummary(
+        "completed",
+        1,
+        tmp_path,
+        None,
+        "https://bob:pa55word@mlflow.example:443",
+        "abc",
+        [{"reward/mean": float("nan"), "iteration": 1}],
+    )
     text = _summary_text(config, summary)
     assert "pa55word" not in text and "mlflow.example" in text
     assert "no sample was scored in iteration(s) [1]" in text
 
 
-@pytest.mark.parametrize("argv", [
-    ["schedule", DEMO, "seed=3", "--prompts", "p", "--checkpoint-root", "r", "--model", "m"],
-    ["schedule", "--config", DEMO, "--prompts", "p", "--checkpoint-root", "r", "--model", "m", "seed=3"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["schedule", DEMO, "seed=3", "--prompts", "p", "--checkpoint-root", "r", "--model", "m"],
+        ["schedule", "--config", DEMO, "--prompts", "p", "--checkpoint-root", "r", "--model", "m", "seed=3"],
+    ],
+)
 def test_schedule_takes_the_config_like_the_other_commands(monkeypatch, argv):
     from pipeline import schedule
 

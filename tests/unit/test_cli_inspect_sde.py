@@ -15,8 +15,20 @@ def _sagegrpo(*args):
 
 def test_json_output_has_every_step_and_equalized_scales(tmp_path):
     plot = tmp_path / "sde.png"
-    result = _sagegrpo("inspect-sde", "--variant", "all", "--steps", "20", "--shift", "5", "--eta", "0.5", "--json",
-                       "--plot", str(plot))
+    result = _sagegrpo(
+        "inspect-sde",
+        "--variant",
+        "all",
+        "--steps",
+        "20",
+        "--shift",
+        "5",
+        "--eta",
+        "0.5",
+        "--json",
+        "--plot",
+        str(plot),
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert set(report["variants"]) == {"dance", "flow", "cps", "sage"}

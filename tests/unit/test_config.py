@@ -31,14 +31,18 @@ def test_paper_configs_hold_the_papers_settings():
 
 def test_baselines_differ_from_sage_only_in_the_sampler_and_say_which_keys_differ():
     sage = load_run_config(REPO / "configs" / "hunyuanvideo15_sage_lora.yaml")
-    arms = {p.stem.removeprefix("hunyuanvideo15_").removesuffix("_lora"): (p, load_run_config(p))
-            for p in CONFIGS if p.stem.endswith("_lora") and "_sage_" not in p.stem}
+    arms = {
+        p.stem.removeprefix("hunyuanvideo15_").removesuffix("_lora"): (p, load_run_config(p))
+        for p in CONFIGS
+        if p.stem.endswith("_lora") and "_sage_" not in p.stem
+    }
     assert set(arms) == {"dance", "flow", "cps", "dance_eta05", "flow_eta05"}
     for name, (path, other) in arms.items():
         variant = name.split("_")[0]
         assert other.sde.variant == variant
         assert other.model_dump(exclude={"sde", "run", "checkpoint"}) == sage.model_dump(
-            exclude={"sde", "run", "checkpoint"})
+            exclude={"sde", "run", "checkpoint"}
+        )
         assert other.sde.steps == sage.sde.steps and other.sde.shift == sage.sde.shift
         header = path.read_text().split("seed:")[0]
         if other.sde.eta == sage.sde.eta:
@@ -49,21 +53,25 @@ def test_baselines_differ_from_sage_only_in_the_sampler_and_say_which_keys_diffe
 
 
 def test_overrides_are_typed():
-    config = load_run_config(REPO / "configs" / "demo.yaml", ["sde.eta=0.3", "lora.enabled=true", "lora.rank=8",
-                                                              "eval.every=0"])
+    config = load_run_config(
+        REPO / "configs" / "demo.yaml", ["sde.eta=0.3", "lora.enabled=true", "lora.rank=8", "eval.every=0"]
+    )
     assert config.sde.eta == 0.3 and config.lora.rank == 8 and config.eval.every == 0
 
 
-@pytest.mark.parametrize("override,key", [
-    ("rollout.group_size=1", "rollout.group_size"),
-    ("sde.variant=ddim", "sde.variant"),
-    ("update.learning_rate=fast", "update.learning_rate"),
-    ("update.lr=1e-4", "update.lr"),
-    ("lora.rank=8", "lora.rank"),
-    ("update.micro_batch_size=3", "update.micro_batch_size"),
-    ("sde=5", "sde"),
-    ("nonsense", "nonsense"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("rollout.group_size=1", "rollout.group_size"),
+        ("sde.variant=ddim", "sde.variant"),
+        ("update.learning_rate=fast", "update.learning_rate"),
+        ("update.lr=1e-4", "update.lr"),
+        ("lora.rank=8", "lora.rank"),
+        ("update.micro_batch_size=3", "update.micro_batch_size"),
+        ("sde=5", "sde"),
+        ("nonsense", "nonsense"),
+    ],
+)
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(UserError) as error:
         load_run_config(REPO / "configs" / "demo.yaml", [override])
@@ -71,8 +79,20 @@ def test_bad_values_name_the_key(override, key):
 
 
 def test_cli_rejects_before_loading_any_model():
-    result = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(REPO / "configs" / "demo.yaml"),
-                             "trust_region.strategy=sometimes"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "run",
+            str(REPO / "configs" / "demo.yaml"),
+            "trust_region.strategy=sometimes",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and "trust_region.strategy" in result.stderr
 
@@ -85,10 +105,14 @@ def test_missing_config_file_is_a_user_error(tmp_path):
 def test_the_saved_config_masks_secrets_but_keeps_the_rest():
     from core.tracking import masked_config
 
-    config = load_run_config(REPO / "configs" / "demo.yaml", [
-        "rewards=[{name: 'tests.fixtures.user_rewards.safety:HostedJudge', "
-        "kwargs: {url: 'http://user:hunter2@rewards:8000', api_token: s3cr3t}}]",
-        "checkpoint.uri=s3://bucket/ckpt"])
+    config = load_run_config(
+        REPO / "configs" / "demo.yaml",
+        [
+            "rewards=[{name: 'tests.fixtures.user_rewards.safety:HostedJudge', "
+            "kwargs: {url: 'http://user:hunter2@rewards:8000', api_token: s3cr3t}}]",
+            "checkpoint.uri=s3://bucket/ckpt",
+        ],
+    )
     saved = masked_config(config)
     text = str(saved)
     assert "hunter2" not in text and "s3cr3t" not in text

@@ -53,5 +53,8 @@ def test_nesting_too_deep_to_load_is_one_line(tmp_path):
 def test_ordinary_anchors_still_work(tmp_path):
     path = tmp_path / "anchors.yaml"
     path.write_text("base: &b {lr: 0.001, eta: 0.5}\nrun_a: *b\nruns: [*b, *b]\n")
-    assert read_yaml(path) == {"base": {"lr": 0.001, "eta": 0.5}, "run_a": {"lr": 0.001, "eta": 0.5},
-                               "runs": [{"lr": 0.001, "eta": 0.5}] * 2}
+    assert read_yaml(path) == {
+        "base": {"lr": 0.001, "eta": 0.5},
+        "run_a": {"lr": 0.001, "eta": 0.5},
+        "runs": [{"lr": 0.001, "eta": 0.5}] * 2,
+    }

@@ -20,7 +20,7 @@ EXAMPLE = REPO / "examples" / "custom_reward"
 @pytest.fixture(autouse=True)
 def example_importable(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLE / "src"))
-    monkeypatch.chdir(REPO)                    # the snippet's data.source is relative to the repository
+    monkeypatch.chdir(REPO)  # the snippet's data.source is relative to the repository
 
 
 def test_the_example_reward_scores_its_prompts_by_their_target_color_column():
@@ -31,7 +31,7 @@ def test_the_example_reward_scores_its_prompts_by_their_target_color_column():
     videos = synthetic_videos(len(ids), VideoSize(num_frames=4, height=16, width=16), seed=1)
     result = scorer.score(videos, [p.text for p in prompts.train], prompts.metadata_for(ids))
     has_target = ["target_color" in p.metadata for p in prompts.train]
-    assert has_target.count(False) == 1                          # the example holds one prompt without a target
+    assert has_target.count(False) == 1  # the example holds one prompt without a target
     assert [value is None for value in result.dimensions["color_match"]] == [not t for t in has_target]
     assert [value is None for value in result.total] == [not t for t in has_target]
     assert all(0.0 <= value <= 1.0 for value in result.dimensions["color_match"] if value is not None)
@@ -44,8 +44,9 @@ def test_a_video_in_the_target_colour_scores_higher_than_one_in_another():
     scorer = Scorer([RewardSpec(name="custom_reward:ColorMatch")])
     orange = torch.tensor([255, 136, 0], dtype=torch.uint8).expand(2, 8, 8, 3).contiguous()
     blue = torch.tensor([0, 0, 255], dtype=torch.uint8).expand(2, 8, 8, 3).contiguous()
-    total = scorer.score(VideoBatch([orange, blue], fps=24), ["a", "b"],
-                         [{"target_color": "#ff8800"}, {"target_color": "#ff8800"}]).total
+    total = scorer.score(
+        VideoBatch([orange, blue], fps=24), ["a", "b"], [{"target_color": "#ff8800"}, {"target_color": "#ff8800"}]
+    ).total
     assert total[0] > total[1]
 
 
@@ -55,4 +56,4 @@ def test_the_example_snippet_passes_check_reward():
     report = "\n".join(lines)
     assert "metadata columns: target_color" in report
     assert "color_match (weight 1), saturation (reported, not summed)" in report
-    assert "(1 None)" in report                                  # the prompt without a target
+    assert "(1 None)" in report  # the prompt without a target

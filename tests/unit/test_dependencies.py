@@ -37,8 +37,11 @@ def _imported_top_level() -> set[str]:
 
 def test_every_imported_package_is_declared():
     distributions = packages_distributions()
-    missing = {name: distributions.get(name) for name in _imported_top_level()
-               if not {canonicalize_name(d) for d in distributions.get(name, [name])} & _declared()}
+    missing = {
+        name: distributions.get(name)
+        for name in _imported_top_level()
+        if not {canonicalize_name(d) for d in distributions.get(name, [name])} & _declared()
+    }
     assert missing == {}
 
 

@@ -1,12 +1,11 @@
 """The container image: pins, prebuilt DeepSpeed ops, non-root, caches, what it copies."""
 
-
 import json
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 from packaging.requirements import Requirement
 
 pytestmark = pytest.mark.unit
@@ -23,8 +22,11 @@ def _dockerfile() -> str:
 def _instructions() -> list[str]:
     """Dockerfile instructions with continuation lines joined and comments dropped."""
     lines = [line for line in _dockerfile().splitlines() if not line.lstrip().startswith("#")]
-    return [" ".join(part.strip() for part in chunk.split("\\\n")) for chunk in
-            re.split(r"(?<!\\)\n", "\n".join(lines)) if chunk.strip()]
+    return [
+        " ".join(part.strip() for part in chunk.split("\\\n"))
+        for chunk in re.split(r"(?<!\\)\n", "\n".join(lines))
+        if chunk.strip()
+    ]
 
 
 def _arg(name: str) -> str:
@@ -62,7 +64,7 @@ def test_image_runs_sagegrpo_as_a_non_root_user():
     users = [line.split()[1] for line in lines if line.startswith("USER ")]
     assert users and users[-1] not in ("root", "0")
     entrypoint = [line for line in lines if line.startswith("ENTRYPOINT ")]
-    assert json.loads(entrypoint[-1][len("ENTRYPOINT "):]) == ["sagegrpo"]
+    assert json.loads(entrypoint[-1][len("ENTRYPOINT ") :]) == ["sagegrpo"]
 
 
 def test_image_environment_puts_caches_on_the_volume_and_fails_fast_on_nccl_errors():
@@ -73,8 +75,11 @@ def test_image_environment_puts_caches_on_the_volume_and_fails_fast_on_nccl_erro
 
 
 def test_everything_the_image_copies_exists_and_is_not_dockerignored():
-    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")}
+    ignored = {
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     assert {".git", ".venv"} <= ignored
     sources = re.findall(r"^COPY (?!--from)(\S+)", _dockerfile(), re.MULTILINE)
     for source in sources:

@@ -14,8 +14,14 @@ pytestmark = pytest.mark.unit
 def test_equalizer_brings_per_timestep_gradient_norms_within_a_small_factor(variant):
     adapter = tiny_hunyuan15(seed=0)
     adapter.transformer.requires_grad_(True)
-    rollout = generate(adapter, ["a red ball", "a blue car"], 2, SDEConfig(variant=variant, eta=0.5, steps=20,
-                                                                           shift=5.0), seed=0, progress=False)
+    rollout = generate(
+        adapter,
+        ["a red ball", "a blue car"],
+        2,
+        SDEConfig(variant=variant, eta=0.5, steps=20, shift=5.0),
+        seed=0,
+        progress=False,
+    )
     raw = list(timestep_gradient_norms(adapter, rollout, equalize=False).values())
     equalized = list(timestep_gradient_norms(adapter, rollout, equalize=True).values())
     assert len(raw) == 19

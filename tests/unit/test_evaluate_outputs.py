@@ -25,8 +25,9 @@ def evaluated(tmp_path_factory):
     scorer = Scorer([RewardSpec(name="brightness")])
     scorer.setup(torch.device("cpu"))
     out = tmp_path_factory.mktemp("eval")
-    result = evaluation.evaluate(adapter, PROMPTS, SDEConfig(steps=3), scorer, seed=7, out_dir=out, batch_size=1,
-                                 write_videos=2, write=True)
+    result = evaluation.evaluate(
+        adapter, PROMPTS, SDEConfig(steps=3), scorer, seed=7, out_dir=out, batch_size=1, write_videos=2, write=True
+    )
     return adapter, result
 
 
@@ -45,8 +46,9 @@ def test_key_frames_are_first_middle_and_last():
 
 def test_table_rows_name_scores_and_video_paths_and_missing_scores_are_null(evaluated):
     _, result = evaluated
-    result = evaluation.Evaluation(result.metrics, result.videos, result.prompts,
-                                   {**result.scores, "judge": [0.5, None, math.nan]}, result.frames)
+    result = evaluation.Evaluation(
+        result.metrics, result.videos, result.prompts, {**result.scores, "judge": [0.5, None, math.nan]}, result.frames
+    )
     table = evaluation.eval_table(result, 4, "eval/iteration-00004")
     assert table["iteration"] == [4, 4, 4] and table["prompt"] == PROMPTS
     assert table["judge"] == [0.5, None, None] and table["reward"] == pytest.approx(result.scores["reward"])
@@ -81,15 +83,17 @@ def test_rewards_by_group_drops_unscored_samples_and_keeps_empty_groups():
 
 def test_plots_are_png_files(tmp_path, evaluated):
     adapter, result = evaluated
-    history = [{"iteration": i, "update/kl": 1e-3 * i, "update/lambda_kl": 0.1 * i, "reward/mean": 0.1}
-               for i in range(1, 5)]
+    history = [
+        {"iteration": i, "update/kl": 1e-3 * i, "update/lambda_kl": 0.1 * i, "reward/mean": 0.1} for i in range(1, 5)
+    ]
     videos = torch.from_numpy(np.repeat(result.frames, 2, axis=1)).repeat(2, 1, 1, 1, 1)
     paths = [
         evaluation.plot_step_weights(SDEConfig(steps=6), tmp_path / "st.png"),
         evaluation.plot_kl_and_lambda(history, tmp_path / "kl.png", kl_target=1e-3),
         evaluation.plot_group_rewards([0.1, 0.2, None, 0.5], [0, 0, 1, 1], tmp_path / "groups.png", iteration=4),
-        evaluation.plot_sample_grid(videos, [0, 0, 0, 1, 1, 1], [0.1] * 6, [0.5, -0.5, 0, 1, -1, 0],
-                                    tmp_path / "samples.png"),
+        evaluation.plot_sample_grid(
+            videos, [0, 0, 0, 1, 1, 1], [0.1] * 6, [0.5, -0.5, 0, 1, -1, 0], tmp_path / "samples.png"
+        ),
         evaluation.plot_reward_curves(history, tmp_path / "curves.png"),
     ]
     for path in paths:

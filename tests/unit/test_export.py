@@ -107,8 +107,11 @@ def test_the_export_manifest_records_the_base_model_to_build_again(trained_lora,
 
     export_dir = export_policy(trained_lora, tmp_path / "lora", model=record)
 
-    assert read_export_manifest(export_dir)["model"] == {"name": name, "pretrained": "org/base-model",
-                                                         "kwargs": {"seed": 3}}
+    assert read_export_manifest(export_dir)["model"] == {
+        "name": name,
+        "pretrained": "org/base-model",
+        "kwargs": {"seed": 3},
+    }
 
 
 def test_a_model_record_refuses_kwargs_json_cannot_hold():

@@ -27,7 +27,7 @@ def test_mfu_and_peaks():
 def test_a_transformer_call_counts_its_video_tokens_and_weights(guidance):
     adapter = tiny_hunyuan15(guidance_scale=guidance)
     module = adapter.transformer
-    tokens = 3 * 8 * 8                      # latent frames x height x width, patch 1
+    tokens = 3 * 8 * 8  # latent frames x height x width, patch 1
     weights = sum(p.numel() for p in module.parameters())
     per_token = 2 * weights + 4 * 1 * tokens * 16  # 1 layer, 2 heads x 8
     assert model_forward_flops(module, adapter) == (2 if guidance > 1 else 1) * tokens * per_token

@@ -52,8 +52,9 @@ def test_global_std_divides_by_the_std_of_all_scored_rewards():
     rewards = torch.tensor([0.0, 2.0, 10.0, 30.0])
     adv = group_advantages(rewards, torch.tensor([0, 0, 1, 1]), global_std=True)
     scale = rewards.double().std(unbiased=False)
-    torch.testing.assert_close(adv.values.double(), torch.tensor([-1.0, 1.0, -10.0, 10.0], dtype=torch.float64) / scale,
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        adv.values.double(), torch.tensor([-1.0, 1.0, -10.0, 10.0], dtype=torch.float64) / scale, rtol=1e-6, atol=1e-6
+    )
 
 
 def test_global_std_uses_every_ranks_rewards_when_given():
@@ -91,8 +92,9 @@ def test_gaussian_mean_kl_closed_form():
     ref[1] = 0.0
     kl = gaussian_mean_kl(mean, ref, std=0.2)
     assert kl.tolist() == pytest.approx([0.09 / (2 * 0.04), 0.0])
-    expected = torch.distributions.kl_divergence(torch.distributions.Normal(mean[0], 0.2),
-                                                 torch.distributions.Normal(ref[0], 0.2)).mean()
+    expected = torch.distributions.kl_divergence(
+        torch.distributions.Normal(mean[0], 0.2), torch.distributions.Normal(ref[0], 0.2)
+    ).mean()
     assert kl[0] == pytest.approx(float(expected), rel=1e-5)
 
 
@@ -124,12 +126,12 @@ def _after_warmup(feedback, start_value):
 
 def test_toward_target_tightens_when_kl_is_high_and_relaxes_when_low():
     ctl = _after_warmup(KLFeedback.TOWARD_TARGET, 1e-6)
-    assert ctl.update(1e-3) == pytest.approx(1.1e-6)   # mean of [1e-5, 1e-3] > 1.5 x target
+    assert ctl.update(1e-3) == pytest.approx(1.1e-6)  # mean of [1e-5, 1e-3] > 1.5 x target
     ctl = _after_warmup("toward_target", 1e-6)
     ctl.measurements.clear()
     assert ctl.update(0.0) == pytest.approx(0.9e-6)
     ctl = _after_warmup("toward_target", 1e-6)
-    assert ctl.update(1e-5) == pytest.approx(1e-6)    # inside the band: unchanged
+    assert ctl.update(1e-5) == pytest.approx(1e-6)  # inside the band: unchanged
 
 
 def test_as_written_moves_the_other_way():
@@ -140,8 +142,9 @@ def test_as_written_moves_the_other_way():
     assert ctl.update(0.0) == pytest.approx(1.1e-6)
 
 
-@pytest.mark.parametrize("feedback,kl", [("toward_target", 1.0), ("toward_target", 0.0), ("as_written", 1.0),
-                                         ("as_written", 0.0)])
+@pytest.mark.parametrize(
+    "feedback,kl", [("toward_target", 1.0), ("toward_target", 0.0), ("as_written", 1.0), ("as_written", 0.0)]
+)
 def test_controller_stays_within_bounds(feedback, kl):
     ctl = AdaptiveKLController(warmup_steps=3, feedback=feedback)
     for _ in range(200):

@@ -32,7 +32,11 @@ def test_txt_counts_every_bad_kind_with_line_numbers(tmp_path):
     assert [p.text for p in prompts.train] == ["a cat", "a dog"]
     assert [p.line for p in prompts.train] == [1, 7]
     assert prompts.report.skipped == {
-        "undecodable": [5], "empty": [2], "whitespace_only": [3], "too_long": [4], "duplicate": [6],
+        "undecodable": [5],
+        "empty": [2],
+        "whitespace_only": [3],
+        "too_long": [4],
+        "duplicate": [6],
     }
     assert prompts.report.counts["duplicate"] == 1 and prompts.report.kept == 2
 
@@ -52,7 +56,11 @@ def test_jsonl_counts_bad_json_missing_column_and_keeps_metadata(tmp_path):
     prompts = run(write(tmp_path, "p.jsonl", lines))
     assert [(p.text, p.metadata, p.line) for p in prompts.train] == [("a cat", {"style": "anime", "fps": 24}, 1)]
     assert prompts.report.skipped == {
-        "undecodable": [2, 3, 4, 5], "empty": [8], "whitespace_only": [6], "too_long": [7], "duplicate": [9],
+        "undecodable": [2, 3, 4, 5],
+        "empty": [8],
+        "whitespace_only": [6],
+        "too_long": [7],
+        "duplicate": [9],
     }
 
 
@@ -75,7 +83,11 @@ def test_csv_counts_bad_rows_at_their_first_line_and_keeps_metadata(tmp_path):
         ("a dog", {"id": "8", "style": "real"}, 11),
     ]
     assert prompts.report.skipped == {
-        "undecodable": [7, 8], "empty": [4, 9], "whitespace_only": [5], "too_long": [6], "duplicate": [10],
+        "undecodable": [7, 8],
+        "empty": [4, 9],
+        "whitespace_only": [5],
+        "too_long": [6],
+        "duplicate": [10],
     }
 
 
@@ -107,8 +119,12 @@ def test_split_is_stable_across_runs_and_independent_of_order(tmp_path):
     assert held_out == {p.text for p in second.eval}
     assert 60 < len(held_out) < 140  # about a quarter
     assert not held_out & {p.text for p in first.train}
-    assert held_out != {p.text for p in ingest(
-        DataConfig(source=write(tmp_path, "a.txt", prompts), eval_fraction=0.25, split_salt="other")).eval}
+    assert held_out != {
+        p.text
+        for p in ingest(
+            DataConfig(source=write(tmp_path, "a.txt", prompts), eval_fraction=0.25, split_salt="other")
+        ).eval
+    }
 
 
 def test_split_depends_only_on_salt_and_prompt():
@@ -222,10 +238,12 @@ def test_files_with_a_wide_byte_order_mark_are_decoded(tmp_path, codec):
     path = tmp_path / "p.jsonl"
     data = JSONL_TEXT.encode(codec)
     bom = {"utf-16-le": codecs.BOM_UTF16_LE, "utf-16-be": codecs.BOM_UTF16_BE}.get(codec, b"")
-    path.write_bytes(bom + data)                     # "utf-16"/"utf-32" write their own mark
+    path.write_bytes(bom + data)  # "utf-16"/"utf-32" write their own mark
     prompts = run(str(path))
-    assert [(p.text, p.metadata) for p in prompts.train] == [("un café la nuit", {"style": "noir"}),
-                                                             ("東京の雨", {"style": "anime"})]
+    assert [(p.text, p.metadata) for p in prompts.train] == [
+        ("un café la nuit", {"style": "noir"}),
+        ("東京の雨", {"style": "anime"}),
+    ]
 
 
 def test_a_utf8_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path):
@@ -234,11 +252,14 @@ def test_a_utf8_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path):
     assert [p.text for p in run(str(path)).train] == ["a cat", "a dog"]
 
 
-@pytest.mark.parametrize("data, message", [
-    ("a cat\na dog\n".encode("utf-16-le"), "UTF-16 or UTF-32 without a byte-order mark"),
-    (codecs.BOM_UTF16_LE + "a cat\n".encode("utf-16-le") + b"x", "not valid UTF-16"),
-    ("café\nthé\nnaïve\na dog\n".encode("latin-1"), "3 of 4 lines hold invalid bytes"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ("a cat\na dog\n".encode("utf-16-le"), "UTF-16 or UTF-32 without a byte-order mark"),
+        (codecs.BOM_UTF16_LE + "a cat\n".encode("utf-16-le") + b"x", "not valid UTF-16"),
+        ("café\nthé\nnaïve\na dog\n".encode("latin-1"), "3 of 4 lines hold invalid bytes"),
+    ],
+)
 def test_text_in_an_undeclared_encoding_is_refused_in_one_line(tmp_path, data, message):
     path = tmp_path / "p.txt"
     path.write_bytes(data)

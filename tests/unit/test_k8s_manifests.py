@@ -1,6 +1,5 @@
 """The Kubernetes manifests (kustomize overlays dev and prod): pinned images, no inline secrets, restart policies."""
 
-
 import re
 import shutil
 import subprocess
@@ -36,8 +35,9 @@ def overlay(request) -> dict:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed")
-    built = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / request.param)],
-                           capture_output=True, text=True, check=True).stdout
+    built = subprocess.run(
+        [kubectl, "kustomize", str(K8S / "overlays" / request.param)], capture_output=True, text=True, check=True
+    ).stdout
     objects = {(doc["kind"], doc["metadata"]["name"]): doc for doc in _documents(built)}
     objects["overlay"] = request.param
     return objects

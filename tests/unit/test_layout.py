@@ -23,14 +23,21 @@ def _imported_packages(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("package", FLOORS)
 def test_imports_only_point_down(package):
-    above = set(FLOORS[FLOORS.index(package) + 1:])
-    offenders = {str(path.relative_to(ROOT)): sorted(_imported_packages(path) & above)
-                 for path in (ROOT / package).rglob("*.py") if _imported_packages(path) & above}
+    above = set(FLOORS[FLOORS.index(package) + 1 :])
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(_imported_packages(path) & above)
+        for path in (ROOT / package).rglob("*.py")
+        if _imported_packages(path) & above
+    }
     assert offenders == {}, f"{package}/ imports a higher floor"
 
 
 def test_command_lines_are_parsed_only_in_the_cli_and_the_launcher():
-    parsers = {str(path.relative_to(ROOT)) for package in FLOORS for path in (ROOT / package).rglob("*.py")
-               if "ArgumentParser(" in path.read_text() or "add_parser(" in path.read_text()}
+    parsers = {
+        str(path.relative_to(ROOT))
+        for package in FLOORS
+        for path in (ROOT / package).rglob("*.py")
+        if "ArgumentParser(" in path.read_text() or "add_parser(" in path.read_text()
+    }
     # pipeline.launch parses only its own flags before handing the rest to torchrun.
     assert parsers == {"pipeline/cli.py", "pipeline/launch.py"}

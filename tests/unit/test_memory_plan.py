@@ -27,10 +27,24 @@ def full(lora):
 
 def _plan(shape, *, lora=False, gpus_per_node=8, nodes=8, zero_stage=3, offload=False, checkpointing=True, **kw):
     return memory_plan.plan(
-        shape.param_count, shape.trainable_count, zero_stage, offload, offload, lora,
-        gpus_per_node, nodes, kw.pop("gpu_mem_gb", 80.0), 81, 480, 848, checkpointing,
-        largest_layer_params=shape.largest_layer_params, hidden_size=shape.hidden_size,
-        num_layers=shape.num_layers, batch=2, **kw,
+        shape.param_count,
+        shape.trainable_count,
+        zero_stage,
+        offload,
+        offload,
+        lora,
+        gpus_per_node,
+        nodes,
+        kw.pop("gpu_mem_gb", 80.0),
+        81,
+        480,
+        848,
+        checkpointing,
+        largest_layer_params=shape.largest_layer_params,
+        hidden_size=shape.hidden_size,
+        num_layers=shape.num_layers,
+        batch=2,
+        **kw,
     )
 
 
@@ -69,8 +83,9 @@ def test_the_split_adds_up_to_deepspeeds_own_estimate(full):
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     states = _plan(full, nodes=2).states
-    _, gpu, _ = estimate_zero3_model_states_mem_needs(full.param_count, full.largest_layer_params, 8, 2,
-                                                      cpu_offload=False, cpu_offload_params=False)
+    _, gpu, _ = estimate_zero3_model_states_mem_needs(
+        full.param_count, full.largest_layer_params, 8, 2, cpu_offload=False, cpu_offload_params=False
+    )
     assert states.params + states.gradients + states.optimizer == gpu
     states = _plan(full, nodes=2, zero_stage=2).states
     _, gpu = estimate_zero2_model_states_mem_needs(full.param_count, 8, 2, cpu_offload=False)
@@ -136,6 +151,7 @@ def counted(monkeypatch, lora):
     def shape(transformer_config=None, lora_config=None):
         calls.append((transformer_config, lora_config))
         return lora
+
     monkeypatch.setattr(memory_plan, "hunyuanvideo15_shape", shape)
     return calls
 
@@ -159,7 +175,9 @@ def test_plan_from_a_config_reads_the_run_schema(tmp_path, counted):
     assert "LoRA" in text and "fits" in text and "smallest node count" in text
 
     with pytest.raises(UserError, match="only models"):
-        memory_plan.plan_from_config(config, gpus_per_node=8, nodes=1, gpu_mem_gb=80, overrides=["model.name=tiny-hunyuan15"])
+        memory_plan.plan_from_config(
+            config, gpus_per_node=8, nodes=1, gpu_mem_gb=80, overrides=["model.name=tiny-hunyuan15"]
+        )
     with pytest.raises(UserError, match="lora.rank"):
         memory_plan.plan_from_config(config, gpus_per_node=8, nodes=1, gpu_mem_gb=80, overrides=["lora.rank=0"])
     config.write_text("model: {name: tiny-hunyuan15}\ndata: {source: prompts.txt}\n")

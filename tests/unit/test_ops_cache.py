@@ -40,8 +40,10 @@ def op_folder(root, age_s=None):
 
 def hold(lock, seconds):
     """A process that holds ``lock`` as torch's FileBaton does (O_EXCL, fd open), then releases it."""
-    code = ("import os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); print('held', flush=True); "
-            "time.sleep(float(sys.argv[2])); os.close(fd); os.remove(sys.argv[1])")
+    code = (
+        "import os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); print('held', flush=True); "
+        "time.sleep(float(sys.argv[2])); os.close(fd); os.remove(sys.argv[1])"
+    )
     lock.unlink()
     holder = subprocess.Popen([sys.executable, "-c", code, str(lock), str(seconds)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "held\n"
@@ -51,9 +53,11 @@ def hold(lock, seconds):
 def baton_waits(lock, timeout_s=3.0) -> bool:
     """Whether torch's own FileBaton.wait (where DeepSpeed's op load hangs) is still waiting after ``timeout_s``."""
     # torch's file_baton.py loaded on its own (it needs only os and time): importing torch would eat the timeout.
-    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('file_baton', sys.argv[2]); "
-            "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
-            "module.FileBaton(sys.argv[1]).wait()")
+    code = (
+        "import importlib.util, sys; spec = importlib.util.spec_from_file_location('file_baton', sys.argv[2]); "
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+        "module.FileBaton(sys.argv[1]).wait()"
+    )
     try:
         subprocess.run([sys.executable, "-c", code, str(lock), file_baton.__file__], timeout=timeout_s, check=True)
     except subprocess.TimeoutExpired:

@@ -39,8 +39,16 @@ def adapter():
 
 def test_generate_hands_over_every_batch_as_decoded_and_the_rollout_is_unchanged(adapter):
     handed = []
-    rollout = generate(adapter, ["a red ball", "a blue car"], 2, SDE, seed=1, batch_size=3, progress=False,
-                       on_batch=lambda videos, index: handed.append((videos.clone(), index.tolist())))
+    rollout = generate(
+        adapter,
+        ["a red ball", "a blue car"],
+        2,
+        SDE,
+        seed=1,
+        batch_size=3,
+        progress=False,
+        on_batch=lambda videos, index: handed.append((videos.clone(), index.tolist())),
+    )
     plain = generate(adapter, ["a red ball", "a blue car"], 2, SDE, seed=1, batch_size=3, progress=False)
     assert [index for _, index in handed] == [[0, 1, 2], [3]]
     for videos, index in handed:
@@ -58,7 +66,7 @@ def test_overlapped_result_equals_scoring_everything_at_once():
     whole = scorer(*specs).score(VideoBatch.from_tensor(videos, 8), prompts, metadata)
     run = scorer(*specs)
     with run.overlapped(prompts, metadata, fps=8) as sink:
-        sink.submit(videos[3:], [3, 4])     # batches may arrive in any order
+        sink.submit(videos[3:], [3, 4])  # batches may arrive in any order
         sink.submit(videos[:3], torch.arange(3))
         overlapped = sink.result()
     assert overlapped == whole
@@ -83,11 +91,15 @@ def test_a_batch_is_scored_while_the_next_one_is_generated(adapter):
         rollout = generate(adapter, prompts, 2, SDE, seed=1, batch_size=2, progress=False, on_batch=on_batch)
         scored = sink.result()
     calls = run.rewards[0][1].calls
-    assert calls[0]["saw_opened"]                                  # batch 0 was still being scored
+    assert calls[0]["saw_opened"]  # batch 0 was still being scored
     assert all(call["thread"] != "MainThread" for call in calls)
     assert all(call["grad"] for call in calls)  # the grad mode of the thread that opened the sink, not generate's
-    assert scored.total == scorer({"name": "user_rewards.overlap:Gate"}).score(
-        VideoBatch.from_tensor(rollout.videos, adapter.fps), sample_prompts).total
+    assert (
+        scored.total
+        == scorer({"name": "user_rewards.overlap:Gate"})
+        .score(VideoBatch.from_tensor(rollout.videos, adapter.fps), sample_prompts)
+        .total
+    )
 
 
 def test_a_rewards_error_is_raised_by_result_and_every_sample_must_be_submitted():

@@ -38,8 +38,10 @@ def test_a_reward_gets_its_named_column_aligned_with_its_sub_batches():
     metadata = [{"style": "anime", "id": "1"}, {"style": "real"}, {"style": "anime"}]
     result = run.score(videos(3), ["a", "b", "c"], metadata)
     assert result.dimensions["style_match"] == [1.0, 0.0, 1.0] and result.total == [1.0, 0.0, 1.0]
-    assert run.rewards[0][1].calls == [{"prompts": ["a", "b"], "style": ["anime", "real"]},
-                                       {"prompts": ["c"], "style": ["anime"]}]
+    assert run.rewards[0][1].calls == [
+        {"prompts": ["a", "b"], "style": ["anime", "real"]},
+        {"prompts": ["c"], "style": ["anime"]},
+    ]
 
 
 def test_kwargs_rewards_get_every_column_with_none_where_a_prompt_lacks_it():
@@ -64,7 +66,7 @@ def test_a_required_column_no_prompt_has_is_one_line_naming_reward_and_column():
     assert "\n" not in message
     with pytest.raises(UserError, match="needs the prompt column"):
         run.score(videos(1), ["a"])
-    run.check_metadata([{"style": "anime"}, {}])   # one prompt having it is enough: the others get None
+    run.check_metadata([{"style": "anime"}, {}])  # one prompt having it is enough: the others get None
 
 
 # --- Bounded, contained reward calls -----------------------------------------------------------------------------
@@ -76,30 +78,36 @@ def hang_release():
 
     Hangs.release.clear()
     yield
-    Hangs.release.set()   # lets the abandoned threads finish
+    Hangs.release.set()  # lets the abandoned threads finish
 
 
 def test_a_reward_that_never_returns_times_out_is_retried_and_fails_its_samples(hang_release, caplog):
-    run = scorer({"name": "user_rewards.kit:Hangs", "weights": {"hangs": 1.0}}, {"name": "brightness"},
-                 timeout_s=0.2, retries=1, max_failed_fraction=1.0)
+    run = scorer(
+        {"name": "user_rewards.kit:Hangs", "weights": {"hangs": 1.0}},
+        {"name": "brightness"},
+        timeout_s=0.2,
+        retries=1,
+        max_failed_fraction=1.0,
+    )
     started = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="stages.score"):
         result = run.score(videos(3), ["a", "b", "c"])
     assert time.monotonic() - started < 5
     assert result.total == [None] * 3 and result.failed == {"user_rewards.kit:Hangs": 3}
     assert all(value is not None for value in result.dimensions["brightness"])
-    assert run.rewards[0][1].calls == 2                            # one call, one retry
+    assert run.rewards[0][1].calls == 2  # one call, one retry
     timeouts = [r.getMessage() for r in caplog.records if "scoring.timeout_s" in r.getMessage()]
     assert len(timeouts) == 2 and all("'user_rewards.kit:Hangs'" in message for message in timeouts)
 
 
 def test_a_reward_that_calls_sys_exit_fails_its_samples_with_one_warning(caplog):
-    run = scorer({"name": "user_rewards.kit:Exits", "weights": {}}, {"name": "brightness"},
-                 retries=2, max_failed_fraction=1.0)
+    run = scorer(
+        {"name": "user_rewards.kit:Exits", "weights": {}}, {"name": "brightness"}, retries=2, max_failed_fraction=1.0
+    )
     with caplog.at_level(logging.WARNING, logger="stages.score"):
         result = run.score(videos(2), ["a", "b"])
     assert result.failed == {"user_rewards.kit:Exits": 2} and result.total == [None, None]
-    assert run.rewards[0][1].calls == 1                            # exiting is deliberate: not retried
+    assert run.rewards[0][1].calls == 1  # exiting is deliberate: not retried
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "'user_rewards.kit:Exits'" in warnings[0] and "SystemExit" in warnings[0]
 
@@ -137,12 +145,15 @@ def test_more_failed_samples_than_allowed_stops_the_run_naming_the_reward_and_th
     spec = {"name": "user_rewards.kit:FailsFor", "kwargs": {"bad": ["a", "c"]}, "batch_size": 1}
     prompts = ["a", "b", "c", "d"]
     assert scorer(spec, retries=0, max_failed_fraction=0.5).score(videos(4), prompts).failed == {
-        "user_rewards.kit:FailsFor": 2}                            # exactly half: allowed
+        "user_rewards.kit:FailsFor": 2
+    }  # exactly half: allowed
     with pytest.raises(RewardFailure) as error:
         scorer(spec, retries=0, max_failed_fraction=0.25).score(videos(4), prompts)
     message = str(error.value)
-    assert message == ("reward 'user_rewards.kit:FailsFor' failed for 2 of 4 samples, more than "
-                       "scoring.max_failed_fraction=0.25; last error: RuntimeError: cannot judge 'c'")
+    assert message == (
+        "reward 'user_rewards.kit:FailsFor' failed for 2 of 4 samples, more than "
+        "scoring.max_failed_fraction=0.25; last error: RuntimeError: cannot judge 'c'"
+    )
     assert isinstance(error.value, UserError)
 
 

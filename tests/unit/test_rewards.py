@@ -33,8 +33,13 @@ class _Rewards(BaseModel):
 
 def videos(count=4, frames=8, height=32, width=48, fps=8.0, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    return VideoBatch([torch.randint(0, 256, (frames, height, width, 3), dtype=torch.uint8, generator=generator)
-                       for _ in range(count)], fps)
+    return VideoBatch(
+        [
+            torch.randint(0, 256, (frames, height, width, 3), dtype=torch.uint8, generator=generator)
+            for _ in range(count)
+        ],
+        fps,
+    )
 
 
 def constant_video(value, frames=4, size=16):
@@ -42,8 +47,12 @@ def constant_video(value, frames=4, size=16):
 
 
 def scorer(*specs, retries=2, max_failed_fraction=0.5):
-    return Scorer([RewardSpec(**spec) for spec in specs], retries=retries, retry_delay_s=0.0,
-                  max_failed_fraction=max_failed_fraction)
+    return Scorer(
+        [RewardSpec(**spec) for spec in specs],
+        retries=retries,
+        retry_delay_s=0.0,
+        max_failed_fraction=max_failed_fraction,
+    )
 
 
 def test_video_batch_is_a_list_of_uint8_videos_with_an_fps():
@@ -63,18 +72,19 @@ def test_video_batch_is_a_list_of_uint8_videos_with_an_fps():
 def test_user_reward_by_dotted_path_is_loaded_weighted_and_reported():
     batch = VideoBatch([constant_video(255), constant_video(0), constant_video(255)], fps=8)
     prompts = ["a cat", "blood everywhere", "a dog in the park"]
-    result = scorer({"name": "user_rewards.safety:KeywordSafety", "kwargs": {"banned": "blood"},
-                     "weights": {"safety": 2.0}},
-                    {"name": "brightness"}).score(batch, prompts)
+    result = scorer(
+        {"name": "user_rewards.safety:KeywordSafety", "kwargs": {"banned": "blood"}, "weights": {"safety": 2.0}},
+        {"name": "brightness"},
+    ).score(batch, prompts)
     assert result.dimensions["safety"] == [1.0, 0.0, 1.0]
-    assert result.dimensions["prompt_words"] == [2, 2, 5]            # reported, not weighted
+    assert result.dimensions["prompt_words"] == [2, 2, 5]  # reported, not weighted
     assert result.dimensions["brightness"] == pytest.approx([0.0, -1.0, 0.0])
     assert result.total == pytest.approx([2.0, -1.0, 2.0])
     assert result.failed == {}
 
 
 def test_weight_presets_are_the_papers_settings():
-    spec = "tiny-videoalign"   # the real videoalign needs model paths to validate
+    spec = "tiny-videoalign"  # the real videoalign needs model paths to validate
     assert RewardSpec(name=spec, weights="setting_a").explicit_weights() == {"VQ": 1.0, "MQ": 1.0, "TA": 1.0}
     assert RewardSpec(name=spec, weights="setting_b").explicit_weights() == {"VQ": 0.5, "MQ": 0.5, "TA": 1.0}
     with pytest.raises(ValidationError, match="setting_c"):
@@ -82,9 +92,9 @@ def test_weight_presets_are_the_papers_settings():
 
 
 def test_empty_weights_report_without_weighting():
-    result = scorer({"name": "brightness", "weights": {}},
-                    {"name": "user_rewards.safety:KeywordSafety", "weights": {"safety": 1.0}}
-                    ).score(videos(2), ["a", "b"])
+    result = scorer(
+        {"name": "brightness", "weights": {}}, {"name": "user_rewards.safety:KeywordSafety", "weights": {"safety": 1.0}}
+    ).score(videos(2), ["a", "b"])
     assert "brightness" in result.dimensions
     assert result.total == [1.0, 1.0]
 
@@ -94,13 +104,16 @@ def test_weighting_a_dimension_the_reward_lacks_is_a_user_error():
         scorer({"name": "brightness", "weights": "setting_a"}).score(videos(2), ["a", "b"])
 
 
-@pytest.mark.parametrize("spec, key, message", [
-    ({"name": "no_such_reward"}, "rewards.0.name", "unknown reward 'no_such_reward'"),
-    ({"name": "user_rewards.safety:Missing"}, "rewards.0.name", "cannot load reward 'user_rewards.safety:Missing'"),
-    ({"name": "no_such_package.rewards:Safety"}, "rewards.0.name", "No module named 'no_such_package'"),
-    ({"name": "brightness", "kwargs": {"traget": 0.5}}, "rewards.0.kwargs", "unexpected keyword argument 'traget'"),
-    ({"name": "remote"}, "rewards.0.kwargs", "missing a required argument: 'url'"),
-])
+@pytest.mark.parametrize(
+    "spec, key, message",
+    [
+        ({"name": "no_such_reward"}, "rewards.0.name", "unknown reward 'no_such_reward'"),
+        ({"name": "user_rewards.safety:Missing"}, "rewards.0.name", "cannot load reward 'user_rewards.safety:Missing'"),
+        ({"name": "no_such_package.rewards:Safety"}, "rewards.0.name", "No module named 'no_such_package'"),
+        ({"name": "brightness", "kwargs": {"traget": 0.5}}, "rewards.0.kwargs", "unexpected keyword argument 'traget'"),
+        ({"name": "remote"}, "rewards.0.kwargs", "missing a required argument: 'url'"),
+    ],
+)
 def test_reward_specs_are_resolved_and_bound_when_the_config_is_validated(spec, key, message):
     with pytest.raises(UserError) as error:
         validate(_Rewards, {"rewards": [spec]})
@@ -119,8 +132,9 @@ def test_a_kwargs_value_the_constructor_rejects_is_a_one_line_user_error():
 
 @pytest.mark.parametrize("nan", [True, False])
 def test_missing_score_drops_the_sample_from_its_group(nan):
-    result = scorer({"name": "user_rewards.safety:NoScoreFor", "kwargs": {"positions": [1], "nan": nan}}
-                    ).score(videos(6), list("abcdef"))
+    result = scorer({"name": "user_rewards.safety:NoScoreFor", "kwargs": {"positions": [1], "nan": nan}}).score(
+        videos(6), list("abcdef")
+    )
     assert result.dimensions["judge"][1] is None and result.total[1] is None
     advantages = group_advantages(result.total, [0, 0, 0, 1, 1, 1])
     assert advantages.valid.tolist() == [True, False, True, True, True, True]
@@ -150,13 +164,17 @@ def test_raising_reward_is_retried_then_succeeds():
 
 
 def test_reward_failing_after_retries_scores_none_and_is_counted():
-    run = scorer({"name": "user_rewards.safety:Flaky", "kwargs": {"failures": 100}, "batch_size": 2},
-                 {"name": "brightness"}, retries=1, max_failed_fraction=1.0)
+    run = scorer(
+        {"name": "user_rewards.safety:Flaky", "kwargs": {"failures": 100}, "batch_size": 2},
+        {"name": "brightness"},
+        retries=1,
+        max_failed_fraction=1.0,
+    )
     result = run.score(videos(3), list("abc"))
     assert result.total == [None, None, None]
     assert result.failed == {"user_rewards.safety:Flaky": 3}
     assert run.failures["user_rewards.safety:Flaky"] == 3
-    assert run.rewards[0][1].calls == 4                          # two sub-batches, each tried twice
+    assert run.rewards[0][1].calls == 4  # two sub-batches, each tried twice
     assert all(value is not None for value in result.dimensions["brightness"])
 
 
@@ -168,7 +186,8 @@ def test_reward_failing_after_retries_scores_none_and_is_counted():
 def test_pixel_rewards_mean_what_their_docstrings_say():
     batch = VideoBatch([constant_video(255), constant_video(0), constant_video(128)], fps=8)
     assert build_reward(RewardSpec(name="brightness"))(batch, list("abc"))["brightness"] == pytest.approx(
-        [0.0, -1.0, 128 / 255 - 1], abs=1e-6)
+        [0.0, -1.0, 128 / 255 - 1], abs=1e-6
+    )
     assert build_reward(RewardSpec(name="temporal_smoothness"))(batch, list("abc"))["temporal_smoothness"] == [0.0] * 3
     assert build_reward(RewardSpec(name="colorfulness"))(batch, list("abc"))["colorfulness"] == [0.0] * 3
     red = torch.zeros(4, 16, 16, 3, dtype=torch.uint8)
@@ -176,7 +195,8 @@ def test_pixel_rewards_mean_what_their_docstrings_say():
     flicker = torch.stack([constant_video(0, frames=1)[0], constant_video(255, frames=1)[0]] * 2)
     assert build_reward(RewardSpec(name="colorfulness"))(VideoBatch([red], 8), ["r"])["colorfulness"][0] > 0.3
     assert build_reward(RewardSpec(name="temporal_smoothness"))(VideoBatch([flicker], 8), ["f"]) == {
-        "temporal_smoothness": [-1.0]}
+        "temporal_smoothness": [-1.0]
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -184,13 +204,16 @@ def test_pixel_rewards_mean_what_their_docstrings_say():
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("frames, fps, height, width, count, size", [
-    (49, 24.0, 480, 832, 4, (336, 588)),      # 2 s at 24 fps: 4 frames; 400k pixels scaled down under 200704
-    (129, 24.0, 720, 1280, 10, (336, 588)),   # 5.4 s: 10.75 -> 10 frames, 16:9 kept within the pixel cap
-    (300, 30.0, 448, 448, 20, (448, 448)),    # 10 s: 20 frames; 448x448 = 200704 exactly, kept
-    (16, 8.0, 64, 64, 4, (336, 336)),         # tiny frames are upscaled to at least 128 * 28 * 28 pixels
-    (3, 24.0, 256, 256, 2, (336, 336)),       # fewer frames than the minimum: the largest even count
-])
+@pytest.mark.parametrize(
+    "frames, fps, height, width, count, size",
+    [
+        (49, 24.0, 480, 832, 4, (336, 588)),  # 2 s at 24 fps: 4 frames; 400k pixels scaled down under 200704
+        (129, 24.0, 720, 1280, 10, (336, 588)),  # 5.4 s: 10.75 -> 10 frames, 16:9 kept within the pixel cap
+        (300, 30.0, 448, 448, 20, (448, 448)),  # 10 s: 20 frames; 448x448 = 200704 exactly, kept
+        (16, 8.0, 64, 64, 4, (336, 336)),  # tiny frames are upscaled to at least 128 * 28 * 28 pixels
+        (3, 24.0, 256, 256, 2, (336, 336)),  # fewer frames than the minimum: the largest even count
+    ],
+)
 def test_frame_sampling_and_sizes_follow_qwen_vl_utils(frames, fps, height, width, count, size):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as transformers_resize
 
@@ -226,8 +249,10 @@ def test_patches_match_the_transformers_qwen2vl_processor():
 
 def test_chat_text_holds_the_prompt_and_the_reward_tokens_in_order():
     text = videoalign.chat_text("a corgi surfing")
-    assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-                           "<|vision_start|><|video_pad|><|vision_end|>\nYou are tasked")
+    assert text.startswith(
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+        "<|vision_start|><|video_pad|><|vision_end|>\nYou are tasked"
+    )
     assert "Textual prompt - a corgi surfing\n" in text
     positions = [text.index(token) for token in videoalign.REWARD_TOKENS]
     assert positions == sorted(positions) and text.endswith("END\n<|im_end|>\n<|im_start|>assistant\n")
@@ -240,8 +265,13 @@ def tiny_raw_and_normalised():
 
 def test_tiny_videoalign_reports_vq_mq_ta_overall_with_normalisation(tiny_raw_and_normalised):
     raw_reward, normalised_reward = tiny_raw_and_normalised
-    batch = VideoBatch([torch.randint(0, 256, (12, 40, 60, 3), dtype=torch.uint8),
-                        torch.randint(0, 256, (6, 30, 30, 3), dtype=torch.uint8)], fps=6.0)
+    batch = VideoBatch(
+        [
+            torch.randint(0, 256, (12, 40, 60, 3), dtype=torch.uint8),
+            torch.randint(0, 256, (6, 30, 30, 3), dtype=torch.uint8),
+        ],
+        fps=6.0,
+    )
     prompts = ["a red car", "a cat on the sky"]
     raw, normalised = raw_reward(batch, prompts), normalised_reward(batch, prompts)
     assert set(raw) == set(normalised) == {"VQ", "MQ", "TA", "Overall"}
@@ -260,11 +290,12 @@ def test_tiny_videoalign_reads_the_reward_tokens_with_1d_positions(tiny_raw_and_
     inputs = reward.prepare_inputs(batch, ["a dog"])
     model = reward.model
     hidden = model.vlm.model(**inputs, position_ids=torch.arange(inputs["input_ids"].shape[1])[None]).last_hidden_state
-    expected = [model.rm_head(hidden[0, inputs["input_ids"][0] == token_id]).item()
-                for token_id in model.reward_token_ids]
+    expected = [
+        model.rm_head(hidden[0, inputs["input_ids"][0] == token_id]).item() for token_id in model.reward_token_ids
+    ]
     assert model(**inputs)[0].tolist() == pytest.approx(expected, abs=1e-5)
-    video_tokens = (inputs["input_ids"] == reward.video_pad_id).int() * 2     # token type 2: video
-    m_rope = model.vlm.model(**inputs, mm_token_type_ids=video_tokens).last_hidden_state    # 3-D positions differ
+    video_tokens = (inputs["input_ids"] == reward.video_pad_id).int() * 2  # token type 2: video
+    m_rope = model.vlm.model(**inputs, mm_token_type_ids=video_tokens).last_hidden_state  # 3-D positions differ
     assert not torch.allclose(m_rope, hidden)
 
 
@@ -285,25 +316,43 @@ def test_released_checkpoint_layout_loads_with_lora_merged(tmp_path):
     folder.mkdir(parents=True)
     torch.save(released, folder / "non_lora_state_dict.pth")
     from safetensors.torch import save_file
-    save_file({"base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight": lora_a,
-               "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight": lora_b},
-              folder / "adapter_model.safetensors")
-    (tmp_path / "release" / "model_config.json").write_text(json.dumps({
-        "peft_lora_config": {"lora_enable": True, "lora_r": 4, "lora_alpha": 8},
-        "inference_config": {"VQ_mean": 1.0, "VQ_std": 2.0, "MQ_mean": 0.0, "MQ_std": 1.0,
-                             "TA_mean": 0.0, "TA_std": 1.0}}))
+
+    save_file(
+        {
+            "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight": lora_a,
+            "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight": lora_b,
+        },
+        folder / "adapter_model.safetensors",
+    )
+    (tmp_path / "release" / "model_config.json").write_text(
+        json.dumps(
+            {
+                "peft_lora_config": {"lora_enable": True, "lora_r": 4, "lora_alpha": 8},
+                "inference_config": {
+                    "VQ_mean": 1.0,
+                    "VQ_std": 2.0,
+                    "MQ_mean": 0.0,
+                    "MQ_std": 1.0,
+                    "TA_mean": 0.0,
+                    "TA_std": 1.0,
+                },
+            }
+        )
+    )
 
     reward = videoalign.load_videoalign(str(tmp_path / "base"), str(tmp_path / "release"), dtype="float32")
     model = reward.model
     assert model.reward_token_ids == [vocabulary - 3, vocabulary - 2, vocabulary - 1]
     torch.testing.assert_close(model.rm_head.weight, released["base_model.model.rm_head.weight"])
-    torch.testing.assert_close(model.vlm.model.language_model.embed_tokens.weight,
-                               released["base_model.model.model.embed_tokens.weight"])
-    assert model.vlm.lm_head.weight is model.vlm.model.language_model.embed_tokens.weight   # still tied
+    torch.testing.assert_close(
+        model.vlm.model.language_model.embed_tokens.weight, released["base_model.model.model.embed_tokens.weight"]
+    )
+    assert model.vlm.lm_head.weight is model.vlm.model.language_model.embed_tokens.weight  # still tied
     assert (model.vlm.model.visual.merger.ln_q.weight == 2.0).all()
     base_q = base.model.language_model.layers[1].self_attn.q_proj.weight
-    torch.testing.assert_close(model.vlm.model.language_model.layers[1].self_attn.q_proj.weight,
-                               base_q + 2.0 * lora_b @ lora_a)
+    torch.testing.assert_close(
+        model.vlm.model.language_model.layers[1].self_attn.q_proj.weight, base_q + 2.0 * lora_b @ lora_a
+    )
     assert reward.normalization["VQ"] == (1.0, 2.0)
     scores = reward(VideoBatch([torch.zeros(4, 28, 28, 3, dtype=torch.uint8)], fps=2.0), ["a cat"])
     assert all(math.isfinite(scores[name][0]) for name in ("VQ", "MQ", "TA", "Overall"))
@@ -311,8 +360,7 @@ def test_released_checkpoint_layout_loads_with_lora_merged(tmp_path):
 
 def test_misnamed_checkpoint_weights_fail_loudly(tmp_path):
     model = videoalign.tiny_model(videoalign.tiny_tokenizer())
-    torch.save({"rm_head.weight": torch.zeros(1, 32), "model.no_such.weight": torch.zeros(2)},
-               tmp_path / "model.pth")
+    torch.save({"rm_head.weight": torch.zeros(1, 32), "model.no_such.weight": torch.zeros(2)}, tmp_path / "model.pth")
     with pytest.raises(ValueError, match="match no parameter"):
         videoalign.load_released_weights(model, tmp_path, scale=None)
 
@@ -330,12 +378,13 @@ def test_pickscore_is_logit_scale_times_cosine_averaged_over_frames():
     text = reward.tokenizer(["a red car"], return_tensors="pt")
     pixels = reward.image_processor(images=[frame[0].numpy()], return_tensors="pt")["pixel_values"]
     with torch.no_grad():
-        logits = reward.model(**text, pixel_values=pixels).logits_per_image    # logit_scale * cosine
+        logits = reward.model(**text, pixel_values=pixels).logits_per_image  # logit_scale * cosine
     assert reward(VideoBatch([still], fps=8), ["a red car"])["pickscore"][0] == pytest.approx(logits.item(), rel=1e-4)
 
     mixed = torch.cat([frame, torch.randint(0, 256, (1, 24, 40, 3), dtype=torch.uint8, generator=generator)])
-    per_frame = [reward(VideoBatch([f[None].expand(2, -1, -1, -1)], fps=8), ["a red car"])["pickscore"][0]
-                 for f in mixed]
+    per_frame = [
+        reward(VideoBatch([f[None].expand(2, -1, -1, -1)], fps=8), ["a red car"])["pickscore"][0] for f in mixed
+    ]
     assert reward(VideoBatch([mixed], fps=8), ["a red car"])["pickscore"][0] == pytest.approx(np.mean(per_frame))
 
 

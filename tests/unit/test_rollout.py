@@ -214,8 +214,14 @@ def test_long_sage_schedules_validate_and_never_train_a_step_without_noise(steps
     assert trained.sum() >= steps * 0.95
 
 
-@pytest.mark.parametrize("bad,match", [(dict(variant="cps", eta=1.5), "eta"), (dict(eta=float("nan")), "eta"),
-                                       (dict(variant="sage", steps=1000, window=(0, 3)), "injects noise")])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(variant="cps", eta=1.5), "eta"),
+        (dict(eta=float("nan")), "eta"),
+        (dict(variant="sage", steps=1000, window=(0, 3)), "injects noise"),
+    ],
+)
 def test_schedules_that_cannot_train_are_refused_at_config_time(bad, match):
     with pytest.raises(ValueError, match=match):
         SDEConfig(**({"shift": 5.0} | bad))

@@ -26,8 +26,9 @@ class Planted:
 
 def plant(path: Path, marker: Path, zip_format: bool = True) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"module": {"w": torch.ones(2)}, "payload": Planted(marker)}, path,
-               _use_new_zipfile_serialization=zip_format)
+    torch.save(
+        {"module": {"w": torch.ones(2)}, "payload": Planted(marker)}, path, _use_new_zipfile_serialization=zip_format
+    )
     return path
 
 

@@ -1,6 +1,5 @@
 """The scheduled run: decisions, markers, commands and the lock (pipeline/schedule.py, infra/scheduled_run.sh)."""
 
-
 import fcntl
 import os
 import re
@@ -51,8 +50,11 @@ def test_a_prompt_set_already_trained_is_not_trained_again():
 
 
 def test_an_unfinished_run_is_resumed_from_its_first_unfinished_step_on_its_own_prompts():
-    runs = [_run("sage-2026-11-30", completed=schedule.STEPS), _run("sage-2026-12-01", completed={"train"}),
-            _run("manual-experiment")]
+    runs = [
+        _run("sage-2026-11-30", completed=schedule.STEPS),
+        _run("sage-2026-12-01", completed={"train"}),
+        _run("manual-experiment"),
+    ]
     decision = schedule.decide(TODAY, PROMPT_SETS, runs)
     assert decision.action == "resume"
     assert decision.run_name == "sage-2026-12-01"
@@ -88,13 +90,20 @@ def _config(tmp_path: Path, tracking_uri: str | None = "http://mlflow.example:50
     return path
 
 
-def _args(tmp_path: Path, day: str = "2026-12-03", dry_run: bool = False,
-          config: Path | None = None) -> schedule.ScheduleOptions:
+def _args(
+    tmp_path: Path, day: str = "2026-12-03", dry_run: bool = False, config: Path | None = None
+) -> schedule.ScheduleOptions:
     prompts = tmp_path / "prompts"
     for name in ("2026-12-01", "2026-12-02"):
         (prompts / name).mkdir(parents=True, exist_ok=True)
-    return schedule.ScheduleOptions(str(config or _config(tmp_path)), str(prompts), str(tmp_path / "ckpt"), "m",
-                                    date=date.fromisoformat(day), dry_run=dry_run)
+    return schedule.ScheduleOptions(
+        str(config or _config(tmp_path)),
+        str(prompts),
+        str(tmp_path / "ckpt"),
+        "m",
+        date=date.fromisoformat(day),
+        dry_run=dry_run,
+    )
 
 
 @pytest.fixture
@@ -105,6 +114,7 @@ def steps(monkeypatch):
     def command(step, decision, args, root):
         ran.append((step, decision.run_name, decision.prompt_set))
         return [sys.executable, "-c", f"raise SystemExit({statuses.get(step, 0)})"]
+
     monkeypatch.setattr(schedule, "step_command", command)
     return ran, statuses
 
@@ -162,12 +172,16 @@ def test_promote_step_gates_with_the_configs_registry_settings(tmp_path):
     assert not any(part.startswith("--tracking-uri") for part in command)  # may hold credentials: logged lines
 
 
-@pytest.mark.parametrize("problem, tracking_uri, message", [
-    ("no shared tracking server", None, "needs tracking.tracking_uri"),
-    ("an invalid config", "http://mlflow:5000", "update.learning_rate"),
-])
-def test_a_config_the_scheduled_run_cannot_use_is_refused_before_any_step(tmp_path, steps, problem, tracking_uri,
-                                                                           message):
+@pytest.mark.parametrize(
+    "problem, tracking_uri, message",
+    [
+        ("no shared tracking server", None, "needs tracking.tracking_uri"),
+        ("an invalid config", "http://mlflow:5000", "update.learning_rate"),
+    ],
+)
+def test_a_config_the_scheduled_run_cannot_use_is_refused_before_any_step(
+    tmp_path, steps, problem, tracking_uri, message
+):
     ran, _ = steps
     config = _config(tmp_path, tracking_uri)
     if problem == "an invalid config":
@@ -177,14 +191,14 @@ def test_a_config_the_scheduled_run_cannot_use_is_refused_before_any_step(tmp_pa
     assert ran == [] and not (tmp_path / "ckpt").exists()
 
 
-
 def test_scheduled_run_script_exits_quietly_while_another_holds_the_lock(tmp_path):
     lock = tmp_path / "lock"
     env = {**os.environ, "SAGEGRPO_SCHEDULE_LOCK": str(lock), "SAGEGRPO_PYTHON": "/bin/false"}
     with open(lock, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        result = subprocess.run([str(ROOT / "infra" / "scheduled_run.sh"), "--dry-run"], env=env,
-                                capture_output=True, text=True, timeout=10)
+        result = subprocess.run(
+            [str(ROOT / "infra" / "scheduled_run.sh"), "--dry-run"], env=env, capture_output=True, text=True, timeout=10
+        )
     assert result.returncode == 0 and "another scheduled run" in result.stdout
     result = subprocess.run([str(ROOT / "infra" / "scheduled_run.sh")], env=env, capture_output=True, timeout=10)
     assert result.returncode == 1  # unlocked: it went on to run $SAGEGRPO_PYTHON (here /bin/false)

@@ -29,16 +29,27 @@ def test_cosine_decay_reaches_the_floor():
 
 
 def _fill(path, **overrides):
-    return deepspeed_config(str(path), **{"micro_batch_size": 2, "accumulation_steps": 3, "max_grad_norm": 1.0,
-                                          "bf16": False, **overrides})
+    return deepspeed_config(
+        str(path), **{"micro_batch_size": 2, "accumulation_steps": 3, "max_grad_norm": 1.0, "bf16": False, **overrides}
+    )
 
 
 def test_auto_fields_are_filled_and_buckets_follow_the_hidden_size(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"train_batch_size": "auto", "bf16": {"enabled": "auto"},
-                                "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
-                                                      "stage3_prefetch_bucket_size": "auto",
-                                                      "stage3_param_persistence_threshold": 1000}}))
+    path.write_text(
+        json.dumps(
+            {
+                "train_batch_size": "auto",
+                "bf16": {"enabled": "auto"},
+                "zero_optimization": {
+                    "stage": 3,
+                    "reduce_bucket_size": "auto",
+                    "stage3_prefetch_bucket_size": "auto",
+                    "stage3_param_persistence_threshold": 1000,
+                },
+            }
+        )
+    )
     config = _fill(path, world_size=4, hidden_size=64)
     assert config["train_batch_size"] == 2 * 3 * 4 and config["gradient_accumulation_steps"] == 3
     assert config["bf16"]["enabled"] is False
@@ -47,8 +58,9 @@ def test_auto_fields_are_filled_and_buckets_follow_the_hidden_size(tmp_path):
     assert zero["stage3_param_persistence_threshold"] == 1000  # a value the user set stays
 
 
-@pytest.mark.parametrize("field,value", [("train_batch_size", 7), ("bf16", {"enabled": True}),
-                                         ("gradient_accumulation_steps", 2)])
+@pytest.mark.parametrize(
+    "field,value", [("train_batch_size", 7), ("bf16", {"enabled": True}), ("gradient_accumulation_steps", 2)]
+)
 def test_a_value_that_disagrees_with_the_run_is_refused_not_overwritten(tmp_path, field, value):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({field: value}))

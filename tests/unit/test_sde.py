@@ -71,8 +71,9 @@ def test_per_sample_sigmas_equal_scalar_steps(variant):
     sigmas, sigma_nexts = torch.tensor([0.9, 0.4]), torch.tensor([0.85, 0.3])
     batched = sde.sde_step(variant, v, x, sigmas, sigma_nexts, ETA, prev_sample=x)
     for i in range(2):
-        single = sde.sde_step(variant, v[i : i + 1], x[i : i + 1], float(sigmas[i]), float(sigma_nexts[i]), ETA,
-                              prev_sample=x[i : i + 1])
+        single = sde.sde_step(
+            variant, v[i : i + 1], x[i : i + 1], float(sigmas[i]), float(sigma_nexts[i]), ETA, prev_sample=x[i : i + 1]
+        )
         torch.testing.assert_close(batched.mean[i : i + 1], single.mean)
         torch.testing.assert_close(batched.log_prob[i : i + 1], single.log_prob)
 
@@ -145,8 +146,7 @@ def test_equalized_gradient_scale_equals_the_median_on_every_trained_step(varian
     trained = ~torch.isnan(scales)
     assert trained.sum() == 19 and not trained[-1]
     median = scales[trained].median()
-    torch.testing.assert_close(scales[trained] * factors[trained], median.expand(int(trained.sum())), rtol=1e-6,
-                               atol=0)
+    torch.testing.assert_close(scales[trained] * factors[trained], median.expand(int(trained.sum())), rtol=1e-6, atol=0)
     assert factors[-1] == 0
 
 
@@ -171,7 +171,7 @@ def test_every_step_std_is_finite_and_nonnegative_up_to_a_thousand_steps(variant
     sigmas = sde.flow_match_sigmas(steps, shift)
     stds = sde.noise_stds(variant, sigmas, 1.0)
     assert torch.isfinite(stds).all() and (stds >= 0).all()
-    assert stds[-1] == 0 and (stds[steps // 2:-1] > 0).all()
+    assert stds[-1] == 0 and (stds[steps // 2 : -1] > 0).all()
     scales = sde.gradient_scales(variant, sigmas, 1.0)
     assert torch.isfinite(scales[stds > 0]).all()
 
@@ -180,7 +180,9 @@ def test_sage_clamping_both_ends_changes_only_the_first_step_by_at_most_3e_3_eta
     sigmas = sde.flow_match_sigmas(20, 5.0)
     sigma, sigma_next = sigmas[:-2], sigmas[1:-1]
     clamped = sde.sage_integrated_variance(sigma, sigma_next, ETA)
-    papers = ETA**2 * (-(sigma - sigma_next) + torch.log((1 - sigma_next) / (1 - sigma.clamp(max=sde.SAGE_SIGMA_CLAMP))))
+    papers = ETA**2 * (
+        -(sigma - sigma_next) + torch.log((1 - sigma_next) / (1 - sigma.clamp(max=sde.SAGE_SIGMA_CLAMP)))
+    )
     difference = (papers - clamped).abs()
     assert 0 < difference[0] <= 3e-3 * ETA**2 + 1e-12
     torch.testing.assert_close(clamped[1:], papers[1:], rtol=1e-9, atol=1e-12)
@@ -199,8 +201,16 @@ def test_a_non_finite_std_is_an_error_not_a_deterministic_step():
         sde.noise_stds("flow", sigmas, ETA, flow_sigma_max=1.0)
 
 
-@pytest.mark.parametrize("bad", [dict(variant="ddim"), dict(eta=-0.1), dict(sigma=0.5, sigma_next=0.6),
-                                 dict(variant="cps", eta=1.2), dict(eta=float("nan"))])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(variant="ddim"),
+        dict(eta=-0.1),
+        dict(sigma=0.5, sigma_next=0.6),
+        dict(variant="cps", eta=1.2),
+        dict(eta=float("nan")),
+    ],
+)
 def test_invalid_arguments_are_rejected(bad):
     args = dict(variant="sage", sigma=0.5, sigma_next=0.4, eta=ETA) | bad
     x, v = _inputs()

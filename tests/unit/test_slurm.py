@@ -1,6 +1,5 @@
 """The Slurm batch script: requeue, the pre-timeout signal relayed, exit 75 requeued (fake srun/scancel/scontrol)."""
 
-
 import os
 import re
 import signal
@@ -35,23 +34,35 @@ def _fake_slurm(tmp_path: Path, step_status: str) -> dict:
     bin_dir.mkdir()
     scripts = {
         "srun": f'echo "$@" > {tmp_path}/srun.args\n'
-                f'[ "{step_status}" = wait ] || exit {step_status}\n'
-                f'trap "exit {RETRYABLE_EXIT_CODE}" USR1\necho $$ > {tmp_path}/step.pid\n'
-                "while :; do sleep 0.05; done",
+        f'[ "{step_status}" = wait ] || exit {step_status}\n'
+        f'trap "exit {RETRYABLE_EXIT_CODE}" USR1\necho $$ > {tmp_path}/step.pid\n'
+        "while :; do sleep 0.05; done",
         "scancel": f'echo "$@" >> {tmp_path}/scancel.log\nkill -USR1 "$(cat {tmp_path}/step.pid)"',
         "scontrol": f'if [ "$1" = show ]; then echo node1; else echo "$@" >> {tmp_path}/scontrol.log; fi',
     }
     for name, body in scripts.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42",
-            "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1"}
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "42",
+        "SLURM_SUBMIT_DIR": str(tmp_path),
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_NNODES": "1",
+    }
 
 
 def test_sbatch_relays_usr1_and_requeues_on_exit_75(tmp_path):
     env = _fake_slurm(tmp_path, "wait")
-    job = subprocess.Popen(["bash", str(SBATCH), "configs/x.yaml", "seed=3"], env=env, cwd=tmp_path,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(
+        ["bash", str(SBATCH), "configs/x.yaml", "seed=3"],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 10
     while not (tmp_path / "step.pid").exists():
         assert time.monotonic() < deadline and job.poll() is None, job.communicate()[0]
@@ -69,7 +80,13 @@ def test_sbatch_does_not_requeue_a_finished_or_failed_run(tmp_path):
     for status in ("0", "1"):
         work = tmp_path / status
         work.mkdir()
-        result = subprocess.run(["bash", str(SBATCH), "configs/x.yaml"], env=_fake_slurm(work, status), cwd=work,
-                                capture_output=True, text=True, timeout=10)
+        result = subprocess.run(
+            ["bash", str(SBATCH), "configs/x.yaml"],
+            env=_fake_slurm(work, status),
+            cwd=work,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         assert result.returncode == int(status)
         assert not (work / "scontrol.log").exists()

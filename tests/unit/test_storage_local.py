@@ -185,8 +185,9 @@ def test_recommit_replaces_a_step_whole(tmp_path, root, store):
     assert sorted(path.name for path in root.iterdir()) == ["latest", "step-3"]
 
 
-@pytest.mark.parametrize("bad_path", ["../outside.bin", "/tmp/outside.bin", "engine/../../outside.bin", "a//b", "./x",
-                                      "a\\..\\b"])
+@pytest.mark.parametrize(
+    "bad_path", ["../outside.bin", "/tmp/outside.bin", "engine/../../outside.bin", "a//b", "./x", "a\\..\\b"]
+)
 def test_manifest_paths_that_escape_the_checkpoint_are_rejected(tmp_path, root, store, bad_path):
     commit_step(store, tmp_path, 1)
     manifest_path = root / "step-1" / MANIFEST_NAME
@@ -260,8 +261,13 @@ def test_commit_refuses_empty_or_reserved_staging(tmp_path, store):
 
 
 def test_config_checks_its_values_and_defaults_to_the_output_dir(tmp_path):
-    for bad in ({"uri": "gs://bucket/run"}, {"uri": "s3:///run"}, {"retry_mode": "legacy"}, {"keep_last": 1},
-                {"unknown_key": 1}):
+    for bad in (
+        {"uri": "gs://bucket/run"},
+        {"uri": "s3:///run"},
+        {"retry_mode": "legacy"},
+        {"keep_last": 1},
+        {"unknown_key": 1},
+    ):
         with pytest.raises(ValidationError):
             CheckpointConfig(**bad)
     assert CheckpointConfig().build(output_dir=tmp_path).uri == str(tmp_path / "checkpoints")
@@ -291,8 +297,18 @@ def test_load_torch_reads_tensors_but_never_arbitrary_objects(tmp_path):
 # --- Storage URIs ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("uri", ["s3://ckpt/../evil/run2", "s3://ckpt/a/./b//c", "s3://ckpt//run", "s3://ckpt/a/..",
-                                 "file:///data/../etc/run", "file:///data/./run", "s3://KEY:SECRET@ckpt/run"])
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "s3://ckpt/../evil/run2",
+        "s3://ckpt/a/./b//c",
+        "s3://ckpt//run",
+        "s3://ckpt/a/..",
+        "file:///data/../etc/run",
+        "file:///data/./run",
+        "s3://KEY:SECRET@ckpt/run",
+    ],
+)
 def test_uris_with_dot_dotdot_or_empty_segments_are_refused_at_config_time(uri):
     with pytest.raises(ValidationError) as refused:
         CheckpointConfig(uri=uri)
@@ -330,7 +346,8 @@ def unreachable_endpoint(store, monkeypatch) -> list[int]:
 
 
 def test_an_outage_is_retried_within_a_bound_then_store_unavailable_with_credentials_masked(
-        tmp_path, root, monkeypatch, caplog):
+    tmp_path, root, monkeypatch, caplog
+):
     store = CheckpointConfig(uri=str(root), outage_retry_s=10).build()
     commit_step(store, tmp_path, 1)
     calls = unreachable_endpoint(store, monkeypatch)
@@ -353,8 +370,13 @@ def test_a_refusal_is_not_retried(tmp_path, store, monkeypatch):
 
     def denied(files):
         calls.append(1)
-        raise ClientError({"Error": {"Code": "AccessDenied", "Message": "Access Denied"},
-                           "ResponseMetadata": {"HTTPStatusCode": 403}}, "PutObject")
+        raise ClientError(
+            {
+                "Error": {"Code": "AccessDenied", "Message": "Access Denied"},
+                "ResponseMetadata": {"HTTPStatusCode": 403},
+            },
+            "PutObject",
+        )
 
     monkeypatch.setattr(store.backend, "upload_files", denied)
     with pytest.raises(StorageError, match="AccessDenied"):
@@ -380,8 +402,13 @@ def test_auto_refuses_when_every_checkpoint_fails_verification_unless_fresh_star
     # The fresh run commits steps 1..5 with keep_last=2: the broken ones are neither pruned nor overwritten.
     store.claim("fresh-run", take_over=True)
     for step in range(1, 6):
-        store.commit(stage_checkpoint(tmp_path / f"fresh-{step}", seed=100 + step), step, world_size=2,
-                     config_hash="c", run_id="fresh-run")
+        store.commit(
+            stage_checkpoint(tmp_path / f"fresh-{step}", seed=100 + step),
+            step,
+            world_size=2,
+            config_hash="c",
+            run_id="fresh-run",
+        )
         store.prune(keep_last=2, run_id="fresh-run")
     assert store.list_steps() == [4, 5]
     set_aside = sorted(path.name for path in root.iterdir() if path.name.startswith("set-aside-"))
@@ -427,24 +454,28 @@ def test_only_the_first_of_two_racing_claims_wins(tmp_path, root):
 
 def test_prune_never_deletes_another_runs_steps(tmp_path, root, store):
     for step in (1, 2, 3):
-        store.commit(stage_checkpoint(tmp_path / f"a{step}", seed=step), step, world_size=2, config_hash="c",
-                     run_id="run-a")
+        store.commit(
+            stage_checkpoint(tmp_path / f"a{step}", seed=step), step, world_size=2, config_hash="c", run_id="run-a"
+        )
     store.claim("run-b", take_over=True)
     for step in (4, 5, 6, 7):
-        store.commit(stage_checkpoint(tmp_path / f"b{step}", seed=step), step, world_size=2, config_hash="c",
-                     run_id="run-b")
+        store.commit(
+            stage_checkpoint(tmp_path / f"b{step}", seed=step), step, world_size=2, config_hash="c", run_id="run-b"
+        )
     assert store.prune(keep_last=2, run_id="run-b") == [4, 5]
     assert store.list_steps() == [1, 2, 3, 6, 7]
 
 
 def test_auto_never_resumes_a_step_of_the_run_the_root_was_taken_over_from(tmp_path, root, store):
     for step in (1, 3):
-        store.commit(stage_checkpoint(tmp_path / f"a{step}", seed=step), step, world_size=2, config_hash="c",
-                     run_id="run-a")
+        store.commit(
+            stage_checkpoint(tmp_path / f"a{step}", seed=step), step, world_size=2, config_hash="c", run_id="run-a"
+        )
     store.claim("run-b", take_over=True)
     for step in (2, 4):
-        store.commit(stage_checkpoint(tmp_path / f"b{step}", seed=step), step, world_size=2, config_hash="c",
-                     run_id="run-b")
+        store.commit(
+            stage_checkpoint(tmp_path / f"b{step}", seed=step), step, world_size=2, config_hash="c", run_id="run-b"
+        )
     flip_byte(root / "step-4" / SHARD)
     assert store.resolve("auto") == 2  # not run A's step 3, although it is newer and verifies
 
@@ -453,8 +484,11 @@ def test_auto_never_resumes_a_step_of_the_run_the_root_was_taken_over_from(tmp_p
 
 
 RANK_FILES = {
-    0: {"engine/mp_rank_00_model_states.pt": 300, "engine/zero_pp_rank_0_mp_rank_00_optim_states.pt": 500,
-        "pipeline_state_rank0.pt": 50},
+    0: {
+        "engine/mp_rank_00_model_states.pt": 300,
+        "engine/zero_pp_rank_0_mp_rank_00_optim_states.pt": 500,
+        "pipeline_state_rank0.pt": 50,
+    },
     1: {"engine/zero_pp_rank_1_mp_rank_00_optim_states.pt": 500, "pipeline_state_rank1.pt": 50},
 }
 
@@ -476,8 +510,7 @@ def test_each_rank_uploads_its_own_files_and_the_committer_writes_the_manifest(t
     store.begin_step(3, run_id="run-a")
     reported = {rank: store.upload_rank_files(3, rank, stage_rank(tmp_path, rank, 3)) for rank in (0, 1)}
     assert store.list_steps() == []  # uploaded, not committed
-    manifest = store.commit_manifest(3, reported, world_size=2, config_hash="c", extra={"iteration": 3},
-                                     run_id="run-a")
+    manifest = store.commit_manifest(3, reported, world_size=2, config_hash="c", extra={"iteration": 3}, run_id="run-a")
 
     assert (manifest.world_size, manifest.run_id, store.latest_step()) == (2, "run-a", 3)
     store.download(3, tmp_path / "restored")

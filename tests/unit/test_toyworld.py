@@ -99,8 +99,15 @@ def test_x0_prediction_converts_to_the_velocity_that_lands_on_the_clean_video():
         def predict_clean(self, latents, sigma, embeddings, *, module=None):
             return target[: len(latents)]
 
-    rollout = generate(Oracle(build_transformer()), captions, 1, SDEConfig(variant="ode", steps=8, shift=3.0),
-                       seed=5, batch_size=2, progress=False)
+    rollout = generate(
+        Oracle(build_transformer()),
+        captions,
+        1,
+        SDEConfig(variant="ode", steps=8, shift=3.0),
+        seed=5,
+        batch_size=2,
+        progress=False,
+    )
     assert max(manifold_drift(VideoBatch.from_tensor(rollout.videos, 8))) < 0.01
 
 
@@ -108,8 +115,15 @@ def _fake_run(arm: str, seed: int, gain: float, drift: float = 0.1) -> dict:
     before = {"reward": 0.8, "TA": 0.4, "VQ": 0.6, "MQ": 0.2, "colour": 0.8, "direction": 0.1, "drift": 0.13}
     after = dict(before, reward=0.8 + gain, TA=0.4 + gain)
     history = [{"drift": drift, "reward": 0.8, "kl_grad_ratio": 0.1}] * 4
-    return {"arm": arm, "seed": seed, "config": {}, "train_s": 8.0, "wall_s": 10.0, "history": history,
-            "evaluations": [dict(before, iteration=0, train_s=0.0), dict(after, iteration=4, train_s=8.0)]}
+    return {
+        "arm": arm,
+        "seed": seed,
+        "config": {},
+        "train_s": 8.0,
+        "wall_s": 10.0,
+        "history": history,
+        "evaluations": [dict(before, iteration=0, train_s=0.0), dict(after, iteration=4, train_s=8.0)],
+    }
 
 
 def test_verdicts_follow_the_seed_spread():

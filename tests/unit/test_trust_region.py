@@ -9,8 +9,13 @@ pytestmark = pytest.mark.unit
 
 @pytest.mark.parametrize(
     "strategy,position,stepwise,moves",
-    [("none", False, False, False), ("fixed", True, False, False), ("step_wise", False, True, False),
-     ("moving", True, False, True), ("dual", True, True, True)],
+    [
+        ("none", False, False, False),
+        ("fixed", True, False, False),
+        ("step_wise", False, True, False),
+        ("moving", True, False, True),
+        ("dual", True, True, True),
+    ],
 )
 def test_strategy_terms(strategy, position, stepwise, moves):
     region = TrustRegion(strategy=strategy)

@@ -22,7 +22,7 @@ def parse_hex_color(text: str) -> torch.Tensor:
     if len(digits) != 6:
         raise ValueError(f"target_color {text!r} is not of the form #rrggbb")
     try:
-        return torch.tensor([int(digits[i:i + 2], 16) / 255.0 for i in (0, 2, 4)])
+        return torch.tensor([int(digits[i : i + 2], 16) / 255.0 for i in (0, 2, 4)])
     except ValueError:
         raise ValueError(f"target_color {text!r} is not of the form #rrggbb") from None
 
@@ -45,7 +45,7 @@ class ColorMatch:
         matches: list[float | None] = []
         saturations: list[float] = []
         for video, target in zip(videos, target_color):
-            pixels = self._sampled(video).float() / 255.0            # [frames, H, W, 3] in [0, 1]
+            pixels = self._sampled(video).float() / 255.0  # [frames, H, W, 3] in [0, 1]
             saturations.append(self._saturation(pixels))
             if target is None:
                 matches.append(None)
