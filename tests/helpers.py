@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -39,3 +42,37 @@ def wait_until_answering(
         except OSError:
             time.sleep(0.1)
     raise RuntimeError(f"{url} did not come up:\n{on_failure()}")
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def worker_environment(**extra: str) -> dict[str, str]:
+    """The environment of a test's worker processes: the repo importable, one thread each (2 cores are shared)."""
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    }
+
+
+def torchrun(nproc: int, *target: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node NPROC TARGET...`` on one node from the repo root; asserts it exited 0. ``target`` is
+    a script and its arguments, or ``-m module ...``."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--nnodes=1",
+        f"--master-port={free_port()}",
+        *target,
+    ]
+    result = subprocess.run(
+        command, env=worker_environment(), capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result

@@ -2,9 +2,6 @@
 files are complete, equal to DeepSpeed's own gathered weights, and load back with diffusers' loaders."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,41 +12,20 @@ from safetensors.torch import load_file
 from core.export import LORA_WEIGHT_NAME, read_export_manifest
 from core.lora import add_lora
 from core.models.tiny import tiny_hunyuan15
+from tests.helpers import torchrun
 from tests.unit.test_export import output
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 WORKER = Path(__file__).with_name("export_worker.py")
-REPO = Path(__file__).resolve().parents[2]
 WORLDS = (1, 2)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("exports")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     for world in WORLDS:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={world}",
-            "--nnodes=1",
-            f"--master-port={_free_port()}",
-            str(WORKER),
-            "--out",
-            str(out),
-        ]
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+        torchrun(world, str(WORKER), "--out", str(out))
     return out
 
 

@@ -4,43 +4,22 @@ the manifest, and each rank restores the step from the store alone (2 processes 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from core.storage import CheckpointConfig
-from tests.helpers import free_port
+from tests.helpers import torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 WORKER = Path(__file__).with_name("per_rank_checkpoint_worker.py")
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_ranks_without_a_shared_folder_checkpoint_and_restore(tmp_path, stage):
     root = tmp_path / "store"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--nnodes=1",
-        f"--master-port={free_port()}",
-        str(WORKER),
-        "--stage",
-        stage,
-        "--root",
-        str(root),
-        "--out",
-        str(tmp_path),
-    ]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    torchrun(2, str(WORKER), "--stage", stage, "--root", str(root), "--out", str(tmp_path))
 
     reports = [json.loads((tmp_path / f"report_rank{rank}.json").read_text()) for rank in (0, 1)]
     assert all(report["loaded_equal"] for report in reports)

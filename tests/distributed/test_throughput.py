@@ -2,48 +2,22 @@
 (ZeRO-3 and ZeRO-2, gloo on CPU)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from stages.update import RATIO_TOLERANCE
+from tests.helpers import torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 WORKER = Path(__file__).with_name("throughput_worker.py")
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=["zero3", "zero2"])
 def report(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=1",
-        "--nnodes=1",
-        f"--master-port={_free_port()}",
-        str(WORKER),
-        "--out",
-        str(out),
-        "--deepspeed-config",
-        request.param,
-    ]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    torchrun(1, str(WORKER), "--out", str(out), "--deepspeed-config", request.param)
     return json.loads((out / f"report_{request.param}.json").read_text())
 
 

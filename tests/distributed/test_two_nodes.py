@@ -8,21 +8,14 @@ import sys
 
 import pytest
 
+from tests.helpers import free_port
 from tests.integration.pipeline_runs import DEMO, REPO, SHORT, environment
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_torchrun_nodes_train_on_different_prompts_and_agree_on_weights(tmp_path):
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     nodes = [
         subprocess.Popen(
             [

@@ -1,45 +1,21 @@
 """The GRPO update under real DeepSpeed ZeRO-3 with gloo on CPU: 1 and 2 processes launched by torchrun."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import torchrun
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 WORKER = Path(__file__).with_name("update_worker.py")
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _launch(world: int, out: Path, *extra: str) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={world}",
-        "--nnodes=1",
-        f"--master-port={_free_port()}",
-        str(WORKER),
-        "--out",
-        str(out),
-        *extra,
-    ]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    torchrun(world, str(WORKER), "--out", str(out), *extra)
     return [json.loads((out / f"report_rank{r}_world{world}.json").read_text()) for r in range(world)]
 
 

@@ -16,7 +16,6 @@ shards in tests/unit/test_anchor_reshard.py.
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,33 +23,18 @@ import pytest
 from core.storage import load_torch
 from pipeline.config import load_run_config
 from stages.ingest import PromptSampler, ingest
-from tests.integration.pipeline_runs import DEMO, REPO, SHORT, environment, metric_history, only_run_id
+from tests.helpers import torchrun
+from tests.integration.pipeline_runs import DEMO, SHORT, metric_history, only_run_id
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 OVERRIDES = [*SHORT, "eval.every=0", "checkpoint.keep_last=3"]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run(output: Path, ranks: int, iterations: int, resume: bool) -> subprocess.CompletedProcess:
-    launcher = [
-        sys.executable,
+    return torchrun(
+        ranks,
         "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={ranks}",
-        "--nnodes=1",
-        f"--master-port={_free_port()}",
-        "-m",
-    ]
-    command = [
-        *launcher,
         "pipeline.cli",
         "run",
         str(DEMO),
@@ -59,10 +43,7 @@ def _run(output: Path, ranks: int, iterations: int, resume: bool) -> subprocess.
         f"run.max_iterations={iterations}",
         f"tracking.tracking_uri=sqlite:///{output}/mlflow.db",
         *(["--resume", "auto"] if resume else []),
-    ]
-    result = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return result
+    )
 
 
 def _prompts(output: Path, rank: int) -> dict[int, list[int]]:
