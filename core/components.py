@@ -44,3 +44,12 @@ def check_arguments(factory: Callable, kwargs: dict[str, Any], what: str) -> Non
             if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
         ]
         raise ValueError(f"{error} ({what} takes {', '.join(names) or 'no arguments'})") from None
+
+
+def check_resolvable(name: str, registry: dict[str, str], kind: str) -> str:
+    """``name`` if it resolves, else a ValueError with the one-line reason (pydantic adds the key's location)."""
+    try:
+        resolve(name, registry, kind)
+    except UserError as error:
+        raise ValueError(str(error)) from None
+    return name

@@ -10,8 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from ..components import check_arguments, resolve
-from ..errors import UserError
+from ..components import check_arguments, check_resolvable, resolve
 from .base import PromptEmbeddings, VideoModelAdapter
 
 # name -> "module:factory".
@@ -38,11 +37,7 @@ class ModelConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _resolvable(cls, name: str) -> str:
-        try:
-            resolve(name, _REGISTRY, "model")
-        except UserError as error:  # pydantic reports ValueErrors with the key's location
-            raise ValueError(str(error)) from None
-        return name
+        return check_resolvable(name, _REGISTRY, "model")
 
     @field_validator("kwargs")
     @classmethod

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from ..components import check_arguments, resolve
+from ..components import check_arguments, check_resolvable, resolve
 from ..errors import UserError
 
 # The paper's two weightings of VideoAlign's dimensions (spec section 3). Setting B, alignment-focused, is the
@@ -58,11 +58,7 @@ class RewardSpec(BaseModel):
     @field_validator("name")
     @classmethod
     def _resolvable(cls, name: str) -> str:
-        try:
-            resolve_factory(name)
-        except UserError as error:  # pydantic reports ValueErrors with the key's location
-            raise ValueError(str(error)) from None
-        return name
+        return check_resolvable(name, BUILTIN_REWARDS, "reward")
 
     @field_validator("kwargs")
     @classmethod

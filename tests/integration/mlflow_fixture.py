@@ -25,10 +25,12 @@ STARTUP_TIMEOUT_S = 90.0
 class MlflowServer:
     """``stop`` kills the server abruptly (an outage); ``start`` brings it back with the same runs and artifacts."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, artifacts_destination: str | None = None, environment: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._workdir = workdir
+        self._destination = artifacts_destination or str(workdir / "artifacts")
+        self._environment = environment or {}
         self._process: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -44,10 +46,10 @@ class MlflowServer:
             "--backend-store-uri",
             f"sqlite:///{self._workdir / 'mlflow.db'}",
             "--artifacts-destination",
-            str(self._workdir / "artifacts"),
+            self._destination,
         ]
         # The job runner is a second process the tests never use; skipping it makes start-up faster.
-        environment = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        environment = {**os.environ, **self._environment, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         with open(self._workdir / "mlflow-server.log", "ab") as log:
             # A session of its own: mlflow spawns uvicorn, and stop() must end the whole group.
             self._process = subprocess.Popen(

@@ -34,7 +34,7 @@ from core.registry import (
     register_export,
 )
 from tests.integration.conftest import MotoServer
-from tests.integration.mlflow_fixture import MLFLOW, MlflowServer
+from tests.integration.mlflow_fixture import MlflowServer
 
 pytestmark = pytest.mark.integration
 
@@ -43,36 +43,10 @@ PROMPT = "a red fox runs through snow"
 GENERATION = {"num_inference_steps": 2, "seed": 0}
 
 
-class S3ArtifactsMlflowServer(MlflowServer):
-    """``mlflow server --artifacts-destination s3://...`` on a moto endpoint. The shared fixture's server keeps its
-    artifacts on local disk; this one differs only in the destination and the S3 environment of the server."""
-
-    def __init__(self, workdir: Path, endpoint_url: str, bucket: str):
-        super().__init__(workdir)
-        self._s3_environment = {**S3_CREDENTIALS, "MLFLOW_S3_ENDPOINT_URL": endpoint_url}
-        self._destination = f"s3://{bucket}/mlflow"
-
-    def start(self) -> None:
-        command = [
-            str(MLFLOW),
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--workers",
-            "1",
-            "--backend-store-uri",
-            f"sqlite:///{self._workdir / 'mlflow.db'}",
-            "--artifacts-destination",
-            self._destination,
-        ]
-        environment = {**os.environ, **self._s3_environment, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        with open(self._workdir / "mlflow-server.log", "ab") as log:
-            self._process = subprocess.Popen(
-                command, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        self._wait_until_healthy()
+def s3_artifacts_mlflow_server(workdir: Path, endpoint_url: str, bucket: str) -> MlflowServer:
+    """``mlflow server --artifacts-destination s3://...`` on a moto endpoint (the shared fixture's server keeps its
+    artifacts on local disk)."""
+    return MlflowServer(workdir, f"s3://{bucket}/mlflow", {**S3_CREDENTIALS, "MLFLOW_S3_ENDPOINT_URL": endpoint_url})
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +75,7 @@ def _s3(endpoint_url: str):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, s3_artifacts):
     endpoint_url, bucket = s3_artifacts
-    mlflow_server = S3ArtifactsMlflowServer(tmp_path_factory.mktemp("mlflow-s3"), endpoint_url, bucket)
+    mlflow_server = s3_artifacts_mlflow_server(tmp_path_factory.mktemp("mlflow-s3"), endpoint_url, bucket)
     mlflow_server.start()
     try:
         yield mlflow_server
