@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from tqdm.auto import tqdm
 
 from core import distributed, flops, sde
 from core.errors import UserError
@@ -259,6 +260,10 @@ def load_deepspeed_json(name_or_path: str) -> dict:
         device = (zero.get(offload) or {}).get("device", "none")
         if device not in ("none", "cpu", "nvme"):
             raise ValueError(f"{path}: zero_optimization.{offload}.device must be none, cpu or nvme, not {device!r}")
+        if device == "nvme" and not (zero.get(offload) or {}).get("nvme_path"):
+            raise ValueError(f"{path}: zero_optimization.{offload} offloads to nvme but names no nvme_path")
+        if device == "nvme" and zero.get("stage") != 3:
+            raise ValueError(f"{path}: zero_optimization.{offload} to nvme needs ZeRO stage 3")
     return config
 
 
@@ -347,7 +352,8 @@ def build_engine(
         )
     except ValueError as error:  # train_batch_size, which needs the world size, is known only now
         raise UserError(str(error)) from None
-    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
+    # NVMe offload (ZeRO-Infinity) steps the optimizer on the host as CPU offload does: both need DeepSpeedCPUAdam.
+    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") in ("cpu", "nvme")
     if config.gradient_checkpointing and hasattr(module, "enable_gradient_checkpointing"):
         module.enable_gradient_checkpointing()
     trainable = [p for p in module.parameters() if p.requires_grad]
@@ -600,6 +606,14 @@ class Updater:
             )
         totals, skipped = _Totals(), 0
         measure = self._ratio_due()
+        bar = tqdm(
+            total=sum(map(len, minibatches)),
+            desc="update",
+            unit="step",
+            leave=False,
+            dynamic_ncols=True,
+            disable=not distributed.is_main(),
+        )
         for micro_steps in minibatches:
             if self.lagged is not None:
                 self.lagged.stage()  # this update's starting weights: the lagged policy once the update is applied
@@ -611,8 +625,10 @@ class Updater:
                 self.engine.backward(terms.loss)
                 self.engine.step()
                 minibatch.add(terms)
+                bar.update()
             skipped += self._after_update(minibatch)
             totals.merge(minibatch)
+        bar.close()
         return self._metrics(totals, weights, rollout, skipped)
 
     def losses(

@@ -118,6 +118,8 @@ DEEPSPEED_FILES = {
     "optimizer": '{"optimizer": {"type": "Adam", "params": {"lr": 1}}}',
     "fp16": '{"fp16": {"enabled": true}}',
     "offload": '{"zero_optimization": {"stage": 3, "offload_param": {"device": "tape"}}}',
+    "nvme_without_path": '{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}',
+    "nvme_on_stage2": '{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}}',
 }
 
 
