@@ -53,3 +53,11 @@ def check_resolvable(name: str, registry: dict[str, str], kind: str) -> str:
     except UserError as error:
         raise ValueError(str(error)) from None
     return name
+
+
+def check_signature_names(factory: Callable) -> set[str]:
+    """The named parameters ``factory`` takes (empty when it has no inspectable signature)."""
+    try:
+        return set(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):
+        return set()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from datetime import timedelta
 
 import torch
@@ -44,23 +45,28 @@ def init(timeout_minutes: float = 30.0) -> None:
 
     # DeepSpeed loads (or JIT-builds) its ops here; a lock left by a process killed mid-build would hang every rank.
     clear_stale_locks()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
+    launched = "WORLD_SIZE" in os.environ  # torchrun, the deepspeed launcher, Slurm's srun wrappers set it
+    # A single process rendezvouses through a file, not a TCP port: a free port found now can be taken by any other
+    # process (an outgoing connection's ephemeral port) before the store listens on it.
+    init_method = None if launched else f"file://{tempfile.mkdtemp(prefix='sagegrpo-pg-')}/store"
+    for name, value in (
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_RANK", "0"),
+    ):
+        os.environ.setdefault(name, value)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
-    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    deepspeed.init_distributed(
+        dist_backend=backend,
+        timeout=timedelta(minutes=timeout_minutes),
+        init_method=init_method,
+        rank=rank(),
+        world_size=world_size(),
+    )
 
 
 def all_reduce_mean(values: dict[str, float]) -> dict[str, float]:

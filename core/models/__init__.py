@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from ..components import check_arguments, check_resolvable, resolve
+from ..components import check_arguments, check_resolvable, check_signature_names, resolve
 from .base import PromptEmbeddings, VideoModelAdapter
 
 # name -> "module:factory".
@@ -44,15 +44,22 @@ class ModelConfig(BaseModel):
     def _bindable(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         if not {"name", "guidance_scale", "dtype"} <= set(info.data):  # an earlier key failed: report that one
             return kwargs
+        name, pretrained = info.data["name"], info.data.get("pretrained")
+        factory = resolve(name, _REGISTRY, "model")
+        needs_weights = "path_or_hub_id" in check_signature_names(factory)
+        if needs_weights and not pretrained:
+            raise ValueError(
+                f"model {name!r} loads weights: set model.pretrained (a local diffusers folder or a hub id)"
+            )
+        if pretrained and not needs_weights:
+            raise ValueError(f"model {name!r} builds its own weights: model.pretrained does not apply")
         supplied = {"guidance_scale": info.data["guidance_scale"], "dtype": info.data["dtype"]}
-        if info.data.get("pretrained"):
-            supplied |= {"path_or_hub_id": info.data["pretrained"], "device": "cpu"}
+        if needs_weights:
+            supplied |= {"path_or_hub_id": pretrained, "device": "cpu"}
         reserved = sorted(set(kwargs) & set(supplied))
         if reserved:
             raise ValueError(f"{reserved[0]!r} is set by the model section itself, not by its kwargs")
-        check_arguments(
-            resolve(info.data["name"], _REGISTRY, "model"), {**supplied, **kwargs}, f"model {info.data['name']!r}"
-        )
+        check_arguments(factory, {**supplied, **kwargs}, f"model {name!r}")
         return kwargs
 
 

@@ -123,7 +123,9 @@ def test_outage_buffers_metrics_and_flushes_them_when_the_server_returns(mlflow_
 
 
 def test_only_rank_zero_tracks(monkeypatch, tmp_path):
-    monkeypatch.setenv("RANK", "1")
+    from core import distributed
+
+    monkeypatch.setattr(distributed, "is_main", lambda: False)  # rank 1, whatever process group this process holds
     tracker = Tracker(TrackingConfig(tracking_uri="http://127.0.0.1:9"), tmp_path / "run")
     assert tracker.start(RESOLVED_CONFIG) is None
     tracker.log_metrics({"loss": 1.0}, step=0)

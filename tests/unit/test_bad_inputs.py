@@ -79,6 +79,8 @@ CORPUS = [
     ("run.colour=red", "run.colour"),
     # model and rewards: factories bound before anything loads
     ("model.name=nope", "model.name"),
+    ("model.name=hunyuan15", "model.kwargs"),
+    ("model.pretrained=/weights/hv15", "model.kwargs"),
     ("model.name=my_pkg.models:Big", "model.name"),
     ("model.kwargs.sed=1", "model.kwargs"),
     ("model.kwargs.dtype=float16", "model.kwargs"),

@@ -80,7 +80,7 @@ def test_synthetic_videos_differ_between_videos_and_over_time():
     "target, overrides, error, message",
     [
         ("user_rewards.kit:Nope", [], UserError, "cannot load reward 'user_rewards.kit:Nope'"),
-        ("brightness", ["kwargs.traget=1"], UserError, "kwargs: Value error, got an unexpected keyword argument"),
+        ("brightness", ["kwargs.traget=1"], UserError, "kwargs: got an unexpected keyword argument"),
         ("user_rewards.kit:StyleMatch", [], UserError, "needs the prompt column(s) style"),
         ("user_rewards.safety:WrongLength", [], UserError, "has 3 scores for 4 videos"),
         ("user_rewards.kit:NeverScores", [], UserError, "scored none of the 4 videos"),

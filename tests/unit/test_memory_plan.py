@@ -159,7 +159,8 @@ def counted(monkeypatch, lora):
 def test_plan_from_a_config_reads_the_run_schema(tmp_path, counted):
     config = tmp_path / "run.yaml"
     config.write_text(
-        "model: {name: hunyuan15, guidance_scale: 6.0, kwargs: {num_frames: 33, height: 480, width: 848}}\n"
+        "model: {name: hunyuan15, pretrained: org/hunyuanvideo-1.5, guidance_scale: 6.0,\n"
+        "        kwargs: {num_frames: 33, height: 480, width: 848}}\n"
         "lora: {enabled: true, rank: 16}\n"
         "deepspeed: {config: zero3_offload}\n"
         "update: {micro_batch_size: 1, gradient_checkpointing: true}\n"
@@ -176,7 +177,11 @@ def test_plan_from_a_config_reads_the_run_schema(tmp_path, counted):
 
     with pytest.raises(UserError, match="only models"):
         memory_plan.plan_from_config(
-            config, gpus_per_node=8, nodes=1, gpu_mem_gb=80, overrides=["model.name=tiny-hunyuan15"]
+            config,
+            gpus_per_node=8,
+            nodes=1,
+            gpu_mem_gb=80,
+            overrides=["model.name=tiny-hunyuan15", "model.pretrained=null"],
         )
     with pytest.raises(UserError, match="lora.rank"):
         memory_plan.plan_from_config(config, gpus_per_node=8, nodes=1, gpu_mem_gb=80, overrides=["lora.rank=0"])
@@ -189,7 +194,9 @@ def test_plan_command_is_registered_with_the_documented_flags(capsys, tmp_path, 
     from pipeline.cli import parse_args
 
     config = tmp_path / "run.yaml"
-    config.write_text("model: {name: hunyuan15}\nlora: {enabled: true}\ndata: {source: prompts.txt}\n")
+    config.write_text(
+        "model: {name: hunyuan15, pretrained: org/model}\nlora: {enabled: true}\ndata: {source: prompts.txt}\n"
+    )
     args = parse_args(["plan", str(config), "--gpus-per-node", "8", "--nodes", "1", "update.micro_batch_size=2"])
     assert args.gpu_mem == 80.0 and args.overrides == ["update.micro_batch_size=2"]
     assert args.handler(args) == 0
