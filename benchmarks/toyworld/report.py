@@ -396,16 +396,19 @@ def _band(axis, x, curves: list[list[float]], label: str) -> None:
 
 
 def markdown(saved: dict, summary: dict, claims: list[dict], data: Path, figure: Path, results_md: Path) -> str:
-    config = next(iter(summary.values()))["config"]
     default = summary.get("default", next(iter(summary.values())))
+    config = default["config"]
+    seeds = sorted({row["seeds"] for row in summary.values()})
     before = default["before"]
     load = saved["machine"].get("load_average_at_start")
     lines = [
         BEGIN,
         "## ToyWorld: does GRPO learn, and do the paper's claims hold? (issue 13)",
         "",
-        f"**Profile: {saved['profile']}** ({len(summary)} arm(s) x {saved['seeds']} seed(s), "
-        f"{config['iterations']} iterations each, {saved['jobs']} run(s) in parallel): total wall time "
+        f"**Profile: {saved['profile']}** ({len(summary)} arm(s) x {'/'.join(map(str, seeds))} seeds (the "
+        f"reference arm `default` runs {default['seeds']}), {config['iterations']} iterations each"
+        + _iterations_exceptions(summary, config["iterations"])
+        + f", {saved['jobs']} run(s) in parallel): total wall time "
         f"**{saved['wall_s'] / 60:.1f} min** on {saved['machine']['cpus']} CPU cores"
         + (f" (load average {load[0]:.1f} at the start, shared with other jobs)" if load else "")
         + ", torch "
@@ -445,7 +448,8 @@ def markdown(saved: dict, summary: dict, claims: list[dict], data: Path, figure:
             []
             if saved["profile"] == "full"
             else [
-                "**This is not the full sweep**: most claims below are not run. The full sweep (every arm x 3 seeds) "
+                "**This is not the full sweep**: most claims below are not run. The full sweep (every arm x 3 "
+                "seeds, the reference arm 6) "
                 "is "
                 "`python -m benchmarks.toyworld.compare --jobs 2`.",
                 "",
@@ -465,6 +469,14 @@ def markdown(saved: dict, summary: dict, claims: list[dict], data: Path, figure:
         lines += [f"### {title}", "", table(summary, arms), ""]
     lines.append(END)
     return "\n".join(lines)
+
+
+def _iterations_exceptions(summary: dict, iterations: int) -> str:
+    others = {arm: row["config"]["iterations"] for arm, row in summary.items()}
+    others = {arm: n for arm, n in others.items() if n != iterations}
+    if not others:
+        return ""
+    return " (except " + ", ".join(f"`{arm}`: {n}" for arm, n in others.items()) + ")"
 
 
 def _load_note(machine_info: dict) -> str:
