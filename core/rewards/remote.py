@@ -1,5 +1,6 @@
 """The ``remote`` reward: scores from a reward server (``sagegrpo serve-reward``), so a large reward model can run
-on its own GPUs while training runs elsewhere.
+on its own GPUs while training runs elsewhere. The prompts' metadata columns travel with the videos, so a served reward
+takes them as keyword arguments exactly as it would in process.
 
 Requests go out ``batch_size`` videos at a time, halved further when a request would exceed the body limit the
 server states on ``/health``. Connection errors, read timeouts and 5xx answers (503: the server is busy or a reward
@@ -15,8 +16,9 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.util import Retry
 
+from ..errors import UserError
 from ..secrets import mask_uri, read_secret
-from .base import RewardUnavailable, Scores, VideoBatch, join_batches
+from .base import Columns, RewardUnavailable, Scores, VideoBatch, join_batches, slice_columns
 from .wire import CONTENT_TYPE, decode_response, encode_request
 
 RETRIED_STATUSES = (500, 502, 503, 504)
@@ -55,16 +57,21 @@ class RemoteReward:
         self._max_body: int | None = None
         self._shown_url = mask_uri(self.url)  # for messages: a URL may carry user:password
 
-    def __call__(self, videos: VideoBatch, prompts: list[str]) -> Scores:
+    def __call__(self, videos: VideoBatch, prompts: list[str], **columns: list) -> Scores:
+        """``columns``: the prompts' metadata columns, sent along for the server's rewards that take them."""
         return join_batches(
             [
-                self._score(videos[start : start + self.batch_size], prompts[start : start + self.batch_size])
+                self._score(
+                    videos[start : start + self.batch_size],
+                    prompts[start : start + self.batch_size],
+                    slice_columns(columns, start, start + self.batch_size),
+                )
                 for start in range(0, len(videos), self.batch_size)
             ]
         )
 
-    def _score(self, videos: VideoBatch, prompts: list[str]) -> Scores:
-        body = encode_request(videos, prompts)
+    def _score(self, videos: VideoBatch, prompts: list[str], columns: Columns) -> Scores:
+        body = encode_request(videos, prompts, columns)
         limit = self._body_limit()
         if limit is not None and len(body) > limit:
             if len(videos) == 1:
@@ -74,7 +81,10 @@ class RemoteReward:
                 )
             half = len(videos) // 2
             return join_batches(
-                [self._score(videos[:half], prompts[:half]), self._score(videos[half:], prompts[half:])]
+                [
+                    self._score(videos[:half], prompts[:half], slice_columns(columns, 0, half)),
+                    self._score(videos[half:], prompts[half:], slice_columns(columns, half, len(videos))),
+                ]
             )
         return self._post(body)
 
@@ -98,8 +108,17 @@ class RemoteReward:
             raise RewardUnavailable(
                 f"reward server {self._shown_url} failed after {self.retries} retries: {mask_uri(str(error))}"
             ) from error
+        if response.status_code == 422:  # a served reward needs a prompt column: a config mistake, not an outage
+            raise UserError(f"reward server {self._shown_url}: {_error_text(response)}")
         if response.status_code != 200:
             raise RewardUnavailable(
                 f"reward server {self._shown_url} answered {response.status_code}: {response.text[:300]}"
             )
         return decode_response(response.content)
+
+
+def _error_text(response: requests.Response) -> str:
+    try:
+        return str(response.json()["error"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:300]

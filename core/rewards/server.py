@@ -2,7 +2,8 @@
 
 Endpoints: ``GET /health`` -> ``{"status": "ok", "rewards": [names], "max_body_bytes": N}`` (open, for probes);
 ``POST /score`` with a safetensors request (see ``wire``) -> ``{"dimensions": {...}}`` with every reward's raw,
-unweighted dimensions (the client weighs them).
+unweighted dimensions (the client weighs them). Each reward gets the request's prompt columns it takes (keyword
+arguments, as in process); a request lacking a column a reward requires is answered 422 naming it.
 
 A shared service that treats every request as untrusted data (``ServerSettings`` holds the bounds):
 - it binds loopback unless told otherwise, and never unpickles;
@@ -38,9 +39,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from .. import config_loading
 from ..errors import UserError
 from ..secrets import read_secret
-from .base import Scores, VideoBatch, check_scores, join_batches, merge_dimensions
+from .base import (
+    Columns,
+    MetadataParameters,
+    Scores,
+    VideoBatch,
+    check_scores,
+    join_batches,
+    merge_dimensions,
+    slice_columns,
+)
 from .registry import RewardSpec, build_reward
-from .wire import BadRequest, decode_request, encode_response
+from .wire import BadRequest, ScoringRequest, decode_request, encode_response
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +78,7 @@ class RewardService:
 
     def __init__(self, specs: list[RewardSpec]):
         self.rewards = [(spec, build_reward(spec)) for spec in specs]
+        self._parameters = {spec.name: MetadataParameters.of(reward) for spec, reward in self.rewards}
 
     def setup(self, device: str) -> None:
         for _, reward in self.rewards:
@@ -77,14 +88,24 @@ class RewardService:
     def names(self) -> list[str]:
         return [spec.name for spec, _ in self.rewards]
 
-    def score(self, videos: VideoBatch, prompts: list[str]) -> Scores:
+    def check_columns(self, columns: Columns) -> None:
+        """A UserError (one line) when a reward requires a column ``columns`` lacks."""
+        for spec, _ in self.rewards:
+            self._parameters[spec.name].select(columns, spec.name)
+
+    def score(self, videos: VideoBatch, prompts: list[str], columns: Columns | None = None) -> Scores:
         dimensions: Scores = {}
         owners: dict[str, str] = {}
         for spec, reward in self.rewards:
+            selected = self._parameters[spec.name].select(columns or {}, spec.name)
             size = spec.batch_size or len(videos)
             chunks = [
                 check_scores(
-                    reward(videos[start : start + size], prompts[start : start + size]),
+                    reward(
+                        videos[start : start + size],
+                        prompts[start : start + size],
+                        **slice_columns(selected, start, start + size),
+                    ),
                     len(prompts[start : start + size]),
                     spec.name,
                 )
@@ -95,8 +116,14 @@ class RewardService:
 
 
 class _Job:
-    def __init__(self, videos: VideoBatch, prompts: list[str]):
-        self.videos, self.prompts, self.future = videos, prompts, Future()
+    def __init__(self, request: ScoringRequest):
+        self.videos, self.prompts, self.columns, self.future = *request, Future()
+
+
+def _merged_columns(jobs: list[_Job]) -> Columns:
+    """The jobs' columns end to end; a job without a column another has gives None there (as a prompt without it)."""
+    names = dict.fromkeys(name for job in jobs for name in job.columns)
+    return {name: [v for job in jobs for v in job.columns.get(name, [None] * len(job.prompts))] for name in names}
 
 
 class Batcher:
@@ -108,8 +135,8 @@ class Batcher:
         self._ready = threading.Condition()
         threading.Thread(target=self._run, name="reward-scorer", daemon=True).start()
 
-    def submit(self, videos: VideoBatch, prompts: list[str]) -> Future:
-        job = _Job(videos, prompts)
+    def submit(self, request: ScoringRequest) -> Future:
+        job = _Job(request)
         with self._ready:
             # Jobs whose clients timed out leave now, not when a hung reward returns: the queue (and the videos it
             # holds) stays bounded by the requests actually waiting, at most one per worker.
@@ -141,7 +168,9 @@ class Batcher:
     def _score(self, jobs: list[_Job]) -> None:
         videos = VideoBatch([video for job in jobs for video in job.videos], jobs[0].videos.fps)
         try:
-            dimensions = self.service.score(videos, [prompt for job in jobs for prompt in job.prompts])
+            dimensions = self.service.score(
+                videos, [prompt for job in jobs for prompt in job.prompts], _merged_columns(jobs)
+            )
         except Exception as error:  # noqa: BLE001 (a user reward may raise anything; the handler reports it)
             if len(jobs) == 1:
                 jobs[0].future.set_exception(error)
@@ -244,12 +273,15 @@ class _Handler(BaseHTTPRequestHandler):
             if self.path != "/score":
                 raise _Refused(404, f"no such path {self.path}")
             self._check_token()
-            videos, prompts = decode_request(self._read_body())
+            request = decode_request(self._read_body())
+            self.server.batcher.service.check_columns(request.columns)
         except _Refused as refusal:
             return self._refuse(refusal.status, str(refusal))
         except BadRequest as error:
             return self._refuse(400, f"bad request: {error}")
-        self._score(videos, prompts)
+        except UserError as error:  # well-formed, but a reward needs a prompt column the request does not carry
+            return self._refuse(422, str(error))
+        self._score(request)
 
     def _check_token(self) -> None:
         token = self.server.token
@@ -283,8 +315,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.watchdog.release(self.connection)  # the request is in; scoring has its own bound
         return body
 
-    def _score(self, videos: VideoBatch, prompts: list[str]) -> None:
-        future = self.server.batcher.submit(videos, prompts)
+    def _score(self, request: ScoringRequest) -> None:
+        videos = request.videos
+        future = self.server.batcher.submit(request)
         timeout = self.server.settings.request_timeout_s
         try:
             dimensions = future.result(timeout=timeout)

@@ -1,7 +1,9 @@
 """The reward server's wire format: a scoring request is one safetensors blob, never pickle.
 
 Tensors ``video_0 .. video_{B-1}`` hold the uint8 videos; the safetensors header's string metadata holds the prompts
-(JSON) and the fps. Responses are JSON ``{"dimensions": {name: [float | null]}}`` (a missing score is null).
+(JSON), the fps and, when the prompts have other columns, ``columns`` (JSON ``{name: [value per video]}``: the prompt
+metadata the server's rewards take as keyword arguments, as in-process rewards do). Responses are JSON
+``{"dimensions": {name: [float | null]}}`` (a missing score is null).
 A request is data from a client nobody vouched for: ``decode_request`` checks every part of it and raises
 ``BadRequest`` (one line) for anything that is not a well-formed batch, before any reward sees it.
 """
@@ -10,12 +12,13 @@ from __future__ import annotations
 
 import json
 import struct
+from typing import NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
-from .base import Scores, VideoBatch
+from .base import POSITIONAL, Columns, Scores, VideoBatch
 
 CONTENT_TYPE = "application/octet-stream"
 
@@ -29,14 +32,33 @@ class _Metadata(BaseModel):
 
     prompts: list[str] = Field(min_length=1)
     fps: float = Field(gt=0, allow_inf_nan=False)
+    columns: dict[str, list] = {}
+
+    @model_validator(mode="after")
+    def _one_value_per_video(self) -> _Metadata:
+        for name, values in self.columns.items():
+            if name in POSITIONAL:
+                raise ValueError(f"column {name!r} would shadow the reward's own argument")
+            if len(values) != len(self.prompts):
+                raise ValueError(f"column {name!r} has {len(values)} values for {len(self.prompts)} prompts")
+        return self
 
 
-def encode_request(videos: VideoBatch, prompts: list[str]) -> bytes:
+class ScoringRequest(NamedTuple):
+    videos: VideoBatch
+    prompts: list[str]
+    columns: Columns
+
+
+def encode_request(videos: VideoBatch, prompts: list[str], columns: Columns | None = None) -> bytes:
     tensors = {f"video_{index}": video.detach().cpu().contiguous() for index, video in enumerate(videos)}
-    return save(tensors, metadata={"prompts": json.dumps(prompts), "fps": repr(float(videos.fps))})
+    metadata = {"prompts": json.dumps(prompts), "fps": repr(float(videos.fps))}
+    if columns:
+        metadata["columns"] = json.dumps(columns)
+    return save(tensors, metadata=metadata)
 
 
-def decode_request(body: bytes) -> tuple[VideoBatch, list[str]]:
+def decode_request(body: bytes) -> ScoringRequest:
     try:
         tensors = load(body)  # validates the header, dtypes, shapes and offsets against the body's length
     except SafetensorError as error:
@@ -52,7 +74,7 @@ def decode_request(body: bytes) -> tuple[VideoBatch, list[str]]:
     if any(0 in video.shape for video in frames):
         raise BadRequest("a video has an empty dimension")
     try:
-        return VideoBatch(frames, metadata.fps), metadata.prompts
+        return ScoringRequest(VideoBatch(frames, metadata.fps), metadata.prompts, metadata.columns)
     except ValueError as error:  # a video that is not uint8 [F, H, W, 3]
         raise BadRequest(str(error)) from None
 
@@ -63,12 +85,22 @@ def _metadata(body: bytes) -> _Metadata:
     (header_length,) = struct.unpack("<Q", body[:8])
     raw = json.loads(body[8 : 8 + header_length]).get("__metadata__") or {}
     try:
-        return _Metadata(prompts=json.loads(raw.get("prompts", "null")), fps=raw.get("fps"))
-    except json.JSONDecodeError:
-        raise BadRequest("metadata 'prompts' is not JSON") from None
+        return _Metadata(
+            prompts=_json_field(raw, "prompts", None), fps=raw.get("fps"), columns=_json_field(raw, "columns", {})
+        )
     except ValidationError as error:
         first = error.errors()[0]
-        raise BadRequest(f"metadata {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+        where = ".".join(map(str, first["loc"]))
+        raise BadRequest(f"metadata {where}: {first['msg'].removeprefix('Value error, ')}") from None
+
+
+def _json_field(raw: dict, name: str, default):
+    if name not in raw:
+        return default
+    try:
+        return json.loads(raw[name])
+    except json.JSONDecodeError:
+        raise BadRequest(f"metadata {name!r} is not JSON") from None
 
 
 def encode_response(dimensions: Scores) -> bytes:

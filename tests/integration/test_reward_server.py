@@ -16,11 +16,13 @@ import pytest
 import torch
 import yaml
 
+from core.errors import UserError
 from core.rewards import RewardSpec, VideoBatch
 from core.rewards.base import RewardUnavailable
 from core.rewards.remote import RemoteReward
+from core.rewards.server import _Job, _merged_columns
 from core.rewards.simple import Brightness
-from core.rewards.wire import encode_request
+from core.rewards.wire import ScoringRequest, encode_request
 from stages.score import Scorer
 
 pytestmark = pytest.mark.integration
@@ -243,6 +245,16 @@ MALFORMED = {  # name: (raw request, expected status)
     "fps zero": (post(safetensors_body({"video_0": GOOD_VIDEO}, prompts='["a"]', fps="0")), 400),
     "fps text": (post(safetensors_body({"video_0": GOOD_VIDEO}, prompts='["a"]', fps="fast")), 400),
     "more prompts than videos": (post(safetensors_body({"video_0": GOOD_VIDEO}, prompts='["a", "b"]', fps="4")), 400),
+    "columns not json": (post(safetensors_body({"video_0": GOOD_VIDEO}, prompts='["a"]', fps="4", columns="{")), 400),
+    "columns a list": (post(safetensors_body({"video_0": GOOD_VIDEO}, prompts='["a"]', fps="4", columns="[1]")), 400),
+    "column too short": (
+        post(safetensors_body({"video_0": GOOD_VIDEO}, prompts='["a"]', fps="4", columns='{"style": []}')),
+        400,
+    ),
+    "column named prompts": (
+        post(safetensors_body({"video_0": GOOD_VIDEO}, prompts='["a"]', fps="4", columns='{"prompts": ["b"]}')),
+        400,
+    ),
     "misnamed tensor": (post(safetensors_body({"clip": GOOD_VIDEO}, prompts='["a"]', fps="4")), 400),
     "float video": (
         post(safetensors_body({"video_0": video(2, 8, 8, 3, dtype=torch.float32)}, prompts='["a"]', fps="4")),
@@ -400,6 +412,44 @@ def test_a_hanging_reward_answers_503_within_the_request_timeout(tmp_path):
         served.stop()
     assert 1 <= waited < 4
     assert "did not finish within 1 s" in served.log()
+
+
+# Rewards taking prompt columns (tests/fixtures/user_rewards/kit.py): one requires ``style``, one takes ``seed`` if
+# given, one takes every column.
+COLUMN_REWARDS = [
+    {"name": "user_rewards.kit:StyleMatch", "kwargs": {"wanted": "anime"}},
+    {"name": "user_rewards.kit:OptionalSeed"},
+    {"name": "user_rewards.kit:AllColumns"},
+]
+METADATA = [{"style": "anime", "seed": 3}, {"style": "photo"}, {"style": "anime", "extra": "x"}, {"style": "ink"}, {}]
+
+
+def test_prompt_columns_reach_the_served_rewards_as_in_process(tmp_path):
+    served = Served(tmp_path, COLUMN_REWARDS)
+    try:
+        remote = Scorer([RewardSpec(name="remote", kwargs={"url": served.url, "batch_size": 2}, weights={})], retries=0)
+        over_http = remote.score(batch(), PROMPTS, METADATA)
+        local = Scorer([RewardSpec(**reward, weights={}) for reward in COLUMN_REWARDS]).score(
+            batch(), PROMPTS, METADATA
+        )
+        with pytest.raises(UserError, match=r"StyleMatch.*needs the prompt column\(s\) style"):
+            remote.score(batch()[:2], PROMPTS[:2], [{"seed": 1}, {"seed": 2}])
+    finally:
+        served.stop()
+    assert over_http.dimensions == local.dimensions
+    assert over_http.dimensions["style_match"] == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert over_http.dimensions["seeded"] == [3.0, -1.0, -1.0, -1.0, -1.0]
+    assert over_http.dimensions["columns_set"] == [2.0, 1.0, 2.0, 1.0, 0.0]  # split in 2s, merged back in order
+    log = served.log()
+    assert log.count("refused") == 1 and "422" in log and "Traceback" not in log
+
+
+def test_merged_requests_keep_each_clients_columns():
+    def job(columns, size):
+        return _Job(ScoringRequest(batch()[:size], PROMPTS[:size], columns))
+
+    merged = _merged_columns([job({"style": ["a", "b"]}, 2), job({}, 1), job({"seed": [7], "style": ["c"]}, 1)])
+    assert merged == {"style": ["a", "b", None, "c"], "seed": [None, None, None, 7]}
 
 
 def test_concurrent_clients_are_batched_together_and_get_their_own_scores(tmp_path):
