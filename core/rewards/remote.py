@@ -3,7 +3,9 @@ on its own GPUs while training runs elsewhere. The prompts' metadata columns tra
 takes them as keyword arguments exactly as it would in process.
 
 Requests go out ``batch_size`` videos at a time, halved further when a request would exceed the body limit the
-server states on ``/health``. Connection errors, read timeouts and 5xx answers (503: the server is busy or a reward
+server states on ``/health``, and ``concurrency`` of them at once: a server merges the requests waiting for its scoring
+thread into one reward call (so the body limit does not force small reward batches), and replicas behind a load
+balancer score them side by side. Connection errors, read timeouts and 5xx answers (503: the server is busy or a reward
 timed out) are retried by urllib3's ``Retry`` with exponential backoff; once retries are spent the reward raises
 ``RewardUnavailable`` and the scorer scores those samples None (dropped from their groups) instead of stopping
 training. A server that requires a token gets it from ``token_env`` (an environment variable's name) or
@@ -11,6 +13,8 @@ training. A server that requires a token gets it from ``token_env`` (an environm
 """
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -36,10 +40,12 @@ class RemoteReward:
         backoff: float = 0.5,
         token_env: str | None = None,
         token_file: str | None = None,
+        concurrency: int = 1,
     ):
-        if batch_size < 1 or retries < 0 or timeout <= 0:
-            raise ValueError("remote reward needs batch_size >= 1, retries >= 0 and timeout > 0")
+        if batch_size < 1 or retries < 0 or timeout <= 0 or concurrency < 1:
+            raise ValueError("remote reward needs batch_size >= 1, retries >= 0, timeout > 0 and concurrency >= 1")
         self.url, self.timeout, self.retries, self.batch_size = url.rstrip("/"), timeout, retries, batch_size
+        self.concurrency = concurrency
         # Scoring has no side effects, so retrying a POST is safe: allowed_methods=None retries every method.
         retry = Retry(
             total=retries,
@@ -49,8 +55,10 @@ class RemoteReward:
             raise_on_status=False,
         )
         self.session = requests.Session()
-        self.session.mount("http://", HTTPAdapter(max_retries=retry))
-        self.session.mount("https://", HTTPAdapter(max_retries=retry))
+        # One pooled connection per request in flight (urllib3's pool is thread-safe; its default keeps 10).
+        adapter = HTTPAdapter(max_retries=retry, pool_maxsize=max(10, concurrency))
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
         token = read_secret(token_env, token_file, what="remote reward token")
         if token is not None:
             self.session.headers["Authorization"] = f"Bearer {token}"
@@ -59,16 +67,19 @@ class RemoteReward:
 
     def __call__(self, videos: VideoBatch, prompts: list[str], **columns: list) -> Scores:
         """``columns``: the prompts' metadata columns, sent along for the server's rewards that take them."""
-        return join_batches(
-            [
-                self._score(
-                    videos[start : start + self.batch_size],
-                    prompts[start : start + self.batch_size],
-                    slice_columns(columns, start, start + self.batch_size),
-                )
-                for start in range(0, len(videos), self.batch_size)
-            ]
-        )
+        starts = range(0, len(videos), self.batch_size)
+        batches = [
+            (
+                videos[i : i + self.batch_size],
+                prompts[i : i + self.batch_size],
+                slice_columns(columns, i, i + self.batch_size),
+            )
+            for i in starts
+        ]
+        if self.concurrency == 1 or len(batches) == 1:
+            return join_batches([self._score(*batch) for batch in batches])
+        with ThreadPoolExecutor(min(self.concurrency, len(batches)), thread_name_prefix="remote-reward") as pool:
+            return join_batches(list(pool.map(lambda batch: self._score(*batch), batches)))
 
     def _score(self, videos: VideoBatch, prompts: list[str], columns: Columns) -> Scores:
         body = encode_request(videos, prompts, columns)

@@ -470,3 +470,25 @@ def test_concurrent_clients_are_batched_together_and_get_their_own_scores(tmp_pa
     assert sum(sizes) == 5 and len(sizes) < 5, sizes  # requests that waited were scored in one call
     for (client_videos, _), result in zip(clients, results):
         assert result["mean"] == pytest.approx([float(client_videos[0].float().mean())])
+
+
+def test_one_clients_concurrent_requests_are_merged_into_fewer_reward_calls(tmp_path):
+    calls = tmp_path / "calls.txt"
+    served = Served(
+        tmp_path,
+        [{"name": "user_rewards.served:Sleepy", "kwargs": {"seconds": 0.5, "calls_file": str(calls)}}],
+        max_batch=16,
+    )
+    videos = batch()
+    try:
+        one_at_a_time = RemoteReward(served.url, retries=0, batch_size=1)(videos, PROMPTS)
+        sequential_calls = calls.read_text().split()
+        calls.write_text("")
+        concurrent = RemoteReward(served.url, retries=0, batch_size=1, concurrency=5)(videos, PROMPTS)
+    finally:
+        served.stop()
+    assert sequential_calls == ["1"] * 5
+    sizes = [int(line) for line in calls.read_text().split()]
+    assert sum(sizes) == 5 and len(sizes) < 5, sizes  # requests that waited for the scorer shared a call
+    expected = [float(video.float().mean()) for video in videos]
+    assert one_at_a_time["mean"] == pytest.approx(expected) and concurrent["mean"] == pytest.approx(expected)
