@@ -32,6 +32,7 @@ from core.errors import UserError
 
 GIB = 2**30
 BF16_BYTES = 2
+FP32_BYTES = 4
 
 # Stored activations per token, per transformer block, in bytes per unit of hidden size: the 34*h of Korthikanti et
 # al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", eq. 1) without its 5*a*s/h attention-score
@@ -43,6 +44,9 @@ ACTIVATION_BYTES_PER_HIDDEN = 34
 # Text-side tokens the transformer concatenates to the video tokens: 1000 Qwen2.5-VL positions, 256 ByT5 positions and
 # 729 SigLIP image slots (zeroed for text-to-video, but still in the sequence), the diffusers pipeline's padding.
 HUNYUANVIDEO15_CONTEXT_TOKENS = 1000 + 256 + 729
+
+# The model's video size where its config's kwargs do not set it (core/models/hunyuan15.py's defaults).
+VIDEO_DEFAULTS = {"num_frames": 81, "height": 480, "width": 848}
 
 # HunyuanVideo 1.5's VAE compresses 4x in time (keeping the first frame) and 16x in space; the patch size is 1.
 VAE_TEMPORAL, VAE_SPATIAL = 4, 16
@@ -62,6 +66,7 @@ class TransformerShape:
     largest_layer_params: int  # the most parameters one module owns directly: what ZeRO-3 gathers at once
     hidden_size: int
     num_layers: int
+    latent_channels: int
 
 
 def hunyuanvideo15_shape(transformer_config: dict | None = None, lora_config=None) -> TransformerShape:
@@ -90,6 +95,7 @@ def hunyuanvideo15_shape(transformer_config: dict | None = None, lora_config=Non
         largest_layer_params=largest,
         hidden_size=config.num_attention_heads * config.attention_head_dim,
         num_layers=config.num_layers,
+        latent_channels=config.out_channels or config.in_channels,
     )
 
 
@@ -193,6 +199,13 @@ def anchor_bytes(trainable_count: int, zero_stage: int, offload_param: bool, anc
     return BF16_BYTES * trainable_count // (gpus if zero_stage == 3 else 1)
 
 
+def rollout_bytes(samples: int, steps: int, held_transitions: int, references: int, latent_elements: int) -> int:
+    """GPU bytes of one rank's rollout through its update: each sample's float32 latents before and after every step
+    (stages/rollout.py), and the anchor's and the lagged policy's float32 means of every transition of one optimizer
+    update (``references`` of them per transition; stages/update.py holds them until the update's last micro-step)."""
+    return FP32_BYTES * latent_elements * (samples * (steps + 1) + references * held_transitions)
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """A plan's inputs and per-GPU numbers (bytes); ``str(plan)`` is the table ``sagegrpo plan`` prints.
@@ -217,6 +230,7 @@ class MemoryPlan:
     anchor: int
     activations_with_checkpointing: int
     activations_without_checkpointing: int
+    rollout: int
     reserve: int
     min_nodes: int | None
 
@@ -229,7 +243,7 @@ class MemoryPlan:
     @property
     def total(self) -> int:
         s = self.states
-        return s.params + s.gradients + s.optimizer + self.anchor + self.activations + self.reserve
+        return s.params + s.gradients + s.optimizer + self.anchor + self.activations + self.rollout + self.reserve
 
     @property
     def fits(self) -> bool:
@@ -257,6 +271,7 @@ class MemoryPlan:
             f"  KL anchor      {gb(self.anchor)}",
             f"  activations    {gb(self.activations)}  (gradient checkpointing {checkpointing}; "
             f"{'off' if self.grad_checkpointing else 'on'}: {alternative / GIB:.2f} GB)",
+            f"  rollout        {gb(self.rollout)}  (latents of every step, the update's reference means)",
             f"  reserve        {gb(self.reserve)}  (CUDA context, NCCL, fragmentation, VAE and reward model)",
             f"  total          {gb(self.total)}  of {self.gpu_mem_gb:g} GB: {'fits' if self.fits else 'does NOT fit'}",
             f"host memory per node (DeepSpeed's estimate): {self.states.cpu_per_node / GIB:.2f} GB",
@@ -289,13 +304,16 @@ def plan(
     context_tokens: int = HUNYUANVIDEO15_CONTEXT_TOKENS,
     batch: int = 1,
     anchor_offload: bool = False,
+    rollout: int = 0,
     reserve_gb: float = DEFAULT_RESERVE_GB,
     max_nodes: int = 1024,
 ) -> MemoryPlan:
-    """Per-GPU memory for a run; ``batch`` is the sequences in one transformer call (micro-batch x CFG branches).
+    """Per-GPU memory for a run; ``batch`` is the sequences in one transformer call (micro-batch x CFG branches),
+    ``rollout`` the bytes of one rank's rollout (``rollout_bytes``).
 
     ``min_nodes`` is the smallest node count up to ``max_nodes`` at which the same setup fits. Only model states
-    and the anchor shrink with more GPUs; activations and the reserve do not, so they alone can make it None.
+    and the anchor shrink with more GPUs; activations, the rollout and the reserve do not, so they alone can make it
+    None.
     """
     if gpus_per_node < 1 or nodes < 1:
         raise UserError(f"--gpus-per-node and --nodes must be >= 1, got {gpus_per_node} and {nodes}")
@@ -334,6 +352,7 @@ def plan(
             anchor=anchor_bytes(trainable_count, zero_stage, offload_param, anchor_offload, gpus_per_node * node_count),
             activations_with_checkpointing=activations[True],
             activations_without_checkpointing=activations[False],
+            rollout=rollout,
             reserve=int(reserve_gb * GIB),
             min_nodes=None,
         )
@@ -383,7 +402,22 @@ def plan_for(config, gpus_per_node: int, nodes: int, gpu_mem_gb: float) -> Memor
     shape = hunyuanvideo15_shape(_transformer_config(model.pretrained), config.lora)
     zero_stage, offload_optimizer, offload_param = _zero_settings(config.deepspeed.config)
     video = model.kwargs
+    frames, height, width = (
+        int(video.get("num_frames", 81)),
+        int(video.get("height", 480)),
+        int(video.get("width", 848)),
+    )
     cfg_branches = 2 if model.guidance_scale > 1 else 1
+    region = config.trust_region.region()
+    lagged = region.uses_stepwise_kl and config.trust_region.velocity_estimator == "lagged"
+    samples = config.rollout.prompts_per_rank * config.rollout.group_size
+    rollout = rollout_bytes(
+        samples,
+        config.sde.steps,
+        samples * int(config.sde.trained_steps_mask().sum()) // update.updates_per_rollout,
+        int(region.needs_anchor) + int(lagged),
+        shape.latent_channels * video_tokens(frames, height, width),
+    )
     return plan(
         shape.param_count,
         shape.trainable_count,
@@ -394,13 +428,14 @@ def plan_for(config, gpus_per_node: int, nodes: int, gpu_mem_gb: float) -> Memor
         gpus_per_node,
         nodes,
         gpu_mem_gb,
-        int(video.get("num_frames", 81)),
-        int(video.get("height", 480)),
-        int(video.get("width", 848)),
+        frames,
+        height,
+        width,
         update.gradient_checkpointing,
         largest_layer_params=shape.largest_layer_params,
         hidden_size=shape.hidden_size,
         num_layers=shape.num_layers,
         batch=update.micro_batch_size * cfg_branches,
         anchor_offload=config.trust_region.anchor_offload,
+        rollout=rollout,
     )

@@ -8,6 +8,7 @@ import pytest
 from core.errors import UserError
 from core.lora import LoraConfig
 from pipeline import memory_plan
+from pipeline.config import load_run_config
 
 pytestmark = pytest.mark.unit
 
@@ -50,7 +51,7 @@ def _plan(shape, *, lora=False, gpus_per_node=8, nodes=8, zero_stage=3, offload=
 
 def test_the_default_diffusers_config_is_the_8_3b_release(full):
     assert 8.0e9 <= full.param_count <= 8.6e9
-    assert (full.hidden_size, full.num_layers) == (2048, 54)
+    assert (full.hidden_size, full.num_layers, full.latent_channels) == (2048, 54, 32)
     assert 0 < full.largest_layer_params < full.param_count / 100
 
 
@@ -174,6 +175,19 @@ def test_plan_from_a_config_reads_the_run_schema(tmp_path, counted):
     assert plan.tokens == memory_plan.video_tokens(33, 480, 848) + memory_plan.HUNYUANVIDEO15_CONTEXT_TOKENS
     text = str(plan)
     assert "LoRA" in text and "fits" in text and "smallest node count" in text
+    # 2 samples x 21 latents (20 steps), and the anchor's and lagged policy's means of every trained transition.
+    latent = 32 * memory_plan.video_tokens(33, 480, 848)
+    trained = int(load_run_config(config).sde.trained_steps_mask().sum())
+    assert plan.rollout == 4 * latent * (2 * 21 + 2 * 2 * trained)
+    assert plan.total - plan.rollout == _without_rollout(plan) and "rollout" in text
+    half = memory_plan.plan_from_config(
+        config, gpus_per_node=8, nodes=1, gpu_mem_gb=80, overrides=["update.updates_per_rollout=2"]
+    )
+    assert half.rollout == 4 * latent * (2 * 21 + 2 * trained)  # means held for one of the two updates
+    no_kl = memory_plan.plan_from_config(
+        config, gpus_per_node=8, nodes=1, gpu_mem_gb=80, overrides=["trust_region.strategy=none"]
+    )
+    assert no_kl.rollout == 4 * latent * 2 * 21
 
     with pytest.raises(UserError, match="only models"):
         memory_plan.plan_from_config(
@@ -188,6 +202,11 @@ def test_plan_from_a_config_reads_the_run_schema(tmp_path, counted):
     config.write_text("model: {name: tiny-hunyuan15}\ndata: {source: prompts.txt}\n")
     with pytest.raises(UserError, match="only models"):
         memory_plan.plan_from_config(config, gpus_per_node=8, nodes=1, gpu_mem_gb=80)
+
+
+def _without_rollout(plan) -> int:
+    s = plan.states
+    return s.params + s.gradients + s.optimizer + plan.anchor + plan.activations + plan.reserve
 
 
 def test_plan_command_is_registered_with_the_documented_flags(capsys, tmp_path, counted):
