@@ -638,15 +638,13 @@ class Updater:
         weights: torch.Tensor | None = None,
         transitions: list[Transition] | None = None,
     ) -> Iterator[LossTerms]:
-        """Each micro-step's loss in training order, computed lazily (after the previous step was applied); the
-        anchor's and the lagged policy's means for all of them are computed first (``_reference_means``)."""
+        """Each micro-step's loss in training order, computed lazily (after the previous step was applied)."""
         weights = self._timestep_weights(rollout) if weights is None else weights
         device = rollout.latents.device
         # Once per update: group_advantages builds CPU tensors, the policy's ratio lives on the model's device.
         advantages = Advantages(advantages.values.to(device), advantages.valid.to(device))
-        transitions = self._transitions(rollout) if transitions is None else transitions
-        for transition, references in zip(transitions, self._reference_means(rollout, transitions)):
-            yield self._micro_step(rollout, advantages, weights, transition, references)
+        for transition in self._transitions(rollout) if transitions is None else transitions:
+            yield self._micro_step(rollout, advantages, weights, transition)
 
     def iteration_flops(self, rollout) -> float:
         """Model FLOPs of one iteration on this rank (``core.flops``): the rollout's forwards, then per trained
@@ -708,29 +706,13 @@ class Updater:
     def _timestep_weights(self, rollout) -> torch.Tensor:
         return timestep_weights(rollout, equalize=self.config.equalizer)
 
-    def _reference_means(self, rollout, transitions: list[Transition]) -> list[dict[str, torch.Tensor]]:
-        """The anchor's and the lagged policy's means for each of these micro-steps. Each copy is swapped in once
-        for all of them, not once per micro-step: a swap copies every trainable shard twice, and under ZeRO-3 it
-        drops the gathered weights that back-to-back forwards of one copy would otherwise reuse. Neither copy
-        changes within an optimizer update, so the means are those a per-micro-step swap computes, bit for bit; they
-        are held until the update's last micro-step (two means per trained transition: the size of the rollout's
-        latents at those steps, on the model's device)."""
-        references: list[dict[str, torch.Tensor]] = [{} for _ in transitions]
-        for name, copy in (("anchor_mean", self.anchor), ("lagged_mean", self.lagged)):
-            if copy is None:
-                continue
-            with torch.no_grad(), copy.swapped_in():
-                for means, transition in zip(references, transitions):
-                    step = score_transition(
-                        self.adapter, rollout, transition.samples, transition.step, module=self.engine
-                    )
-                    means[name] = step.mean
-        return references
-
-    def _micro_step(
-        self, rollout, advantages: Advantages, weights, transition: Transition, references: dict[str, torch.Tensor]
-    ) -> LossTerms:
+    def _micro_step(self, rollout, advantages: Advantages, weights, transition: Transition) -> LossTerms:
         index, t = transition.samples, transition.step
+        references = {}
+        for name, copy in (("anchor_mean", self.anchor), ("lagged_mean", self.lagged)):
+            if copy is not None:
+                with torch.no_grad(), copy.swapped_in():
+                    references[name] = score_transition(self.adapter, rollout, index, t, module=self.engine).mean
         step = score_transition(self.adapter, rollout, index, t, module=self.engine)
         device = rollout.latents.device
         on_device = index.to(device)
