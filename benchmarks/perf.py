@@ -304,8 +304,7 @@ def zero3_memory_ratio() -> tuple[float, dict, dict]:
                 "-m",
                 "torch.distributed.run",
                 f"--nproc-per-node={world}",
-                "--nnodes=1",
-                f"--master-port={distributed._free_port()}",
+                "--standalone",  # a rendezvous on a free port torchrun picks itself
                 str(worker),
                 "--out",
                 out,

@@ -199,11 +199,10 @@ def anchor_bytes(trainable_count: int, zero_stage: int, offload_param: bool, anc
     return BF16_BYTES * trainable_count // (gpus if zero_stage == 3 else 1)
 
 
-def rollout_bytes(samples: int, steps: int, held_transitions: int, references: int, latent_elements: int) -> int:
-    """GPU bytes of one rank's rollout through its update: each sample's float32 latents before and after every step
-    (stages/rollout.py), and the anchor's and the lagged policy's float32 means of every transition of one optimizer
-    update (``references`` of them per transition; stages/update.py holds them until the update's last micro-step)."""
-    return FP32_BYTES * latent_elements * (samples * (steps + 1) + references * held_transitions)
+def rollout_bytes(samples: int, steps: int, latent_elements: int) -> int:
+    """GPU bytes of one rank's rollout, held through its update: each sample's float32 latents before and after every
+    step (stages/rollout.py)."""
+    return FP32_BYTES * latent_elements * samples * (steps + 1)
 
 
 @dataclass(frozen=True)
@@ -271,7 +270,7 @@ class MemoryPlan:
             f"  KL anchor      {gb(self.anchor)}",
             f"  activations    {gb(self.activations)}  (gradient checkpointing {checkpointing}; "
             f"{'off' if self.grad_checkpointing else 'on'}: {alternative / GIB:.2f} GB)",
-            f"  rollout        {gb(self.rollout)}  (latents of every step, the update's reference means)",
+            f"  rollout        {gb(self.rollout)}  (the latents of every step)",
             f"  reserve        {gb(self.reserve)}  (CUDA context, NCCL, fragmentation, VAE and reward model)",
             f"  total          {gb(self.total)}  of {self.gpu_mem_gb:g} GB: {'fits' if self.fits else 'does NOT fit'}",
             f"host memory per node (DeepSpeed's estimate): {self.states.cpu_per_node / GIB:.2f} GB",
@@ -408,16 +407,8 @@ def plan_for(config, gpus_per_node: int, nodes: int, gpu_mem_gb: float) -> Memor
         int(video.get("width", 848)),
     )
     cfg_branches = 2 if model.guidance_scale > 1 else 1
-    region = config.trust_region.region()
-    lagged = region.uses_stepwise_kl and config.trust_region.velocity_estimator == "lagged"
     samples = config.rollout.prompts_per_rank * config.rollout.group_size
-    rollout = rollout_bytes(
-        samples,
-        config.sde.steps,
-        samples * int(config.sde.trained_steps_mask().sum()) // update.updates_per_rollout,
-        int(region.needs_anchor) + int(lagged),
-        shape.latent_channels * video_tokens(frames, height, width),
-    )
+    rollout = rollout_bytes(samples, config.sde.steps, shape.latent_channels * video_tokens(frames, height, width))
     return plan(
         shape.param_count,
         shape.trainable_count,
