@@ -452,13 +452,18 @@ def test_merged_requests_keep_each_clients_columns():
     assert merged == {"style": ["a", "b", None, "c"], "seed": [None, None, None, 7]}
 
 
-def test_concurrent_clients_are_batched_together_and_get_their_own_scores(tmp_path):
-    calls = tmp_path / "calls.txt"
-    served = Served(
+def sleepy_server(tmp_path, calls) -> Served:
+    """A server whose reward sleeps 0.5 s per call and records each call's video count in ``calls``."""
+    return Served(
         tmp_path,
         [{"name": "user_rewards.served:Sleepy", "kwargs": {"seconds": 0.5, "calls_file": str(calls)}}],
         max_batch=16,
     )
+
+
+def test_concurrent_clients_are_batched_together_and_get_their_own_scores(tmp_path):
+    calls = tmp_path / "calls.txt"
+    served = sleepy_server(tmp_path, calls)
     videos = batch()
     clients = [(videos[index : index + 1], PROMPTS[index : index + 1]) for index in range(5)]
     try:
@@ -474,11 +479,7 @@ def test_concurrent_clients_are_batched_together_and_get_their_own_scores(tmp_pa
 
 def test_one_clients_concurrent_requests_are_merged_into_fewer_reward_calls(tmp_path):
     calls = tmp_path / "calls.txt"
-    served = Served(
-        tmp_path,
-        [{"name": "user_rewards.served:Sleepy", "kwargs": {"seconds": 0.5, "calls_file": str(calls)}}],
-        max_batch=16,
-    )
+    served = sleepy_server(tmp_path, calls)
     videos = batch()
     try:
         one_at_a_time = RemoteReward(served.url, retries=0, batch_size=1)(videos, PROMPTS)
