@@ -63,17 +63,20 @@ class TransformerShape:
 
     param_count: int
     trainable_count: int
-    largest_layer_params: int  # the most parameters one module owns directly: what ZeRO-3 gathers at once
+    largest_layer_params: int  # the most parameters ZeRO-3 gathers at once: a leaf block's, or one module's own
     hidden_size: int
     num_layers: int
     latent_channels: int
 
 
-def hunyuanvideo15_shape(transformer_config: dict | None = None, lora_config=None) -> TransformerShape:
+def hunyuanvideo15_shape(
+    transformer_config: dict | None = None, lora_config=None, zero3_leaf_modules: str | list[str] = "auto"
+) -> TransformerShape:
     """Count ``HunyuanVideo15Transformer3DModel`` built on the meta device: no weights are read or allocated.
 
     ``transformer_config`` overrides the diffusers defaults (the 8.3B release); ``lora_config`` (a
-    ``core.lora.LoraConfig`` with ``enabled``) attaches the adapter so the trainable count is peft's.
+    ``core.lora.LoraConfig`` with ``enabled``) attaches the adapter so the trainable count is peft's;
+    ``zero3_leaf_modules`` (``deepspeed.zero3_leaf_modules``) names the blocks ZeRO-3 gathers whole.
     """
     import torch
     from diffusers import HunyuanVideo15Transformer3DModel
@@ -83,7 +86,7 @@ def hunyuanvideo15_shape(transformer_config: dict | None = None, lora_config=Non
     with torch.device("meta"):
         model = HunyuanVideo15Transformer3DModel.from_config(transformer_config or {})
     param_count = sum(p.numel() for p in model.parameters())
-    largest = max(sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules())
+    largest = largest_gathered(model, zero3_leaf_modules)
     trainable_count = param_count
     if lora_config is not None and lora_config.enabled:
         add_lora(model, lora_config)
@@ -197,6 +200,18 @@ def anchor_bytes(trainable_count: int, zero_stage: int, offload_param: bool, anc
     if anchor_offload or (zero_stage == 3 and offload_param):
         return 0
     return BF16_BYTES * trainable_count // (gpus if zero_stage == 3 else 1)
+
+
+def largest_gathered(model, zero3_leaf_modules: str | list[str]) -> int:
+    """The most parameters ZeRO-3 holds gathered at once: a leaf block's (all of its parameters) or, outside the
+    leaves, one module's own."""
+    from stages.update import zero3_leaves
+
+    leaves = zero3_leaves(model, zero3_leaf_modules)
+    inside = {id(module) for leaf in leaves for module in leaf.modules()}
+    blocks = [sum(p.numel() for p in leaf.parameters()) for leaf in leaves]
+    others = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules() if id(m) not in inside]
+    return max(blocks + others)
 
 
 def rollout_bytes(samples: int, steps: int, latent_elements: int) -> int:
@@ -398,7 +413,9 @@ def plan_for(config, gpus_per_node: int, nodes: int, gpu_mem_gb: float) -> Memor
         raise UserError(
             f"model.name {model.name!r}: the planner only models the HunyuanVideo 1.5 transformer (hunyuan15)"
         )
-    shape = hunyuanvideo15_shape(_transformer_config(model.pretrained), config.lora)
+    shape = hunyuanvideo15_shape(
+        _transformer_config(model.pretrained), config.lora, config.deepspeed.zero3_leaf_modules
+    )
     zero_stage, offload_optimizer, offload_param = _zero_settings(config.deepspeed.config)
     video = model.kwargs
     frames, height, width = (

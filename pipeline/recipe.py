@@ -524,6 +524,7 @@ def build_policy(config: RunConfig) -> Policy:
         accumulation_steps=config.update.accumulation_steps(samples, trained),
         deepspeed_config_name=config.deepspeed.config,
         bf16=config.deepspeed.use_bf16(),
+        zero3_leaf_modules=config.deepspeed.zero3_leaf_modules,
     )
     return Policy(adapter, engine, Updater(engine, adapter, config.update, config.trust_region))
 

@@ -29,7 +29,7 @@ def gathered(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone().float() for n, p in params}
 
 
-def build(deepspeed_config: str, **options) -> tuple[Updater, object]:
+def build(deepspeed_config: str, zero3_leaf_modules="auto", **options) -> tuple[Updater, object]:
     adapter = tiny_hunyuan15(seed=0)
     adapter.transformer.requires_grad_(True)
     rollout = generate(adapter, PROMPTS, 2, SDE, seed=7, batch_size=1, progress=False)
@@ -39,6 +39,7 @@ def build(deepspeed_config: str, **options) -> tuple[Updater, object]:
         config,
         deepspeed_config_name=deepspeed_config,
         accumulation_steps=config.accumulation_steps(rollout.num_samples, int(rollout.trained_steps.sum())),
+        zero3_leaf_modules=zero3_leaf_modules,
     )
     updater = Updater(engine, adapter, config, TrustRegionConfig(strategy="dual", kl_grad_ratio_every=0))
     return updater, rollout
@@ -89,6 +90,32 @@ def ema_scenario(deepspeed_config: str, out: Path) -> dict:
     }
 
 
+def leaf_scenario(deepspeed_config: str) -> dict:
+    """Two updates with the default leaf blocks (each gathered whole) against two with ZeRO-3's per-module hooks and
+    two with the blocks recomputed in the backward (gradient checkpointing, as the shipped configs train): which
+    modules are leaves, and how far the weights end apart."""
+    from deepspeed.utils import z3_leaf_module
+
+    weights, leaves, checkpointing = {}, {}, {}
+    for name, options in {
+        "blocks": {},
+        "per_module": {"zero3_leaf_modules": []},
+        "checkpointed": {"gradient_checkpointing": True},
+    }.items():
+        updater, rollout = build(deepspeed_config, **options)
+        for _ in range(2):
+            updater.update(rollout, advantages(rollout))
+        weights[name] = gathered(updater.engine.module)
+        checkpointing[name] = updater.engine.module.gradient_checkpointing
+        leaves[name] = sorted({type(m).__name__ for m in updater.engine.module.modules() if z3_leaf_module(m)})
+    return {
+        "leaves": leaves,
+        "checkpointing": checkpointing,
+        "per_module_difference": max_difference(weights["blocks"], weights["per_module"]),
+        "checkpointed_difference": max_difference(weights["blocks"], weights["checkpointed"]),
+    }
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -106,6 +133,7 @@ def main():
         report[name] = updater.update(rollout, advantages(rollout))
         report[name]["micro_steps_per_update"] = updater.engine.gradient_accumulation_steps()
     report["ema"] = ema_scenario(args.deepspeed_config, out)
+    report["leaf"] = leaf_scenario(args.deepspeed_config)
     (out / f"report_{args.deepspeed_config}.json").write_text(json.dumps(report))
 
 

@@ -154,3 +154,22 @@ def test_a_float32_ema_of_bf16_weights_moves_and_swaps_in_without_rounding_itsel
         assert torch.equal(module.weight, held.to(torch.bfloat16))
     assert torch.equal(module.weight, policy)  # the policy is back exactly
     assert torch.equal(ema._saved[0], held)  # and the float32 average was not rounded to bf16 by the swap
+
+
+def test_zero3_leaves_are_the_outermost_modules_of_the_named_classes():
+    from core.errors import UserError
+    from core.models.tiny import tiny_hunyuan15
+    from stages.update import zero3_leaves
+
+    transformer = tiny_hunyuan15(seed=0).transformer
+    auto = [type(m).__name__ for m in zero3_leaves(transformer, "auto")]
+    assert auto.count("HunyuanVideo15TransformerBlock") == len(transformer.transformer_blocks)
+    assert auto.count("HunyuanVideo15TokenRefiner") == auto.count("HunyuanVideo15PatchEmbed") == 1
+    # A named class inside a leaf is gathered with it, not made a leaf of its own.
+    nested = zero3_leaves(transformer, ["HunyuanVideo15TokenRefiner", "HunyuanVideo15IndividualTokenRefinerBlock"])
+    assert nested == [transformer.context_embedder]
+    assert zero3_leaves(transformer, ["HunyuanVideo15TransformerBlock"]) == list(transformer.transformer_blocks)
+    assert zero3_leaves(transformer, []) == []
+    assert zero3_leaves(_module(), "auto") == []  # no _no_split_modules: ZeRO-3's per-module hooks
+    with pytest.raises(UserError, match="no module of class TransformerBlock "):
+        zero3_leaves(transformer, ["TransformerBlock"])

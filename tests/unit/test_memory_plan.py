@@ -51,7 +51,13 @@ def _plan(shape, *, lora=False, gpus_per_node=8, nodes=8, zero_stage=3, offload=
 def test_the_default_diffusers_config_is_the_8_3b_release(full):
     assert 8.0e9 <= full.param_count <= 8.6e9
     assert (full.hidden_size, full.num_layers, full.latent_channels) == (2048, 54, 32)
-    assert 0 < full.largest_layer_params < full.param_count / 100
+
+
+def test_zero3_gathers_one_transformer_block_at_a_time(full):
+    # The 54 dual-stream blocks hold ~98% of the weights; ZeRO-3 gathers each whole (deepspeed.zero3_leaf_modules).
+    assert 54 * full.largest_layer_params <= full.param_count < 1.05 * 54 * full.largest_layer_params
+    per_module = memory_plan.hunyuanvideo15_shape(zero3_leaf_modules=[])
+    assert 0 < per_module.largest_layer_params < full.param_count / 100
 
 
 def test_lora_trains_a_small_adapter(lora):
@@ -148,8 +154,8 @@ def counted(monkeypatch, lora):
     """Stand in for the meta-device count (tested above) and record what the config asked it for."""
     calls = []
 
-    def shape(transformer_config=None, lora_config=None):
-        calls.append((transformer_config, lora_config))
+    def shape(transformer_config=None, lora_config=None, zero3_leaf_modules="auto"):
+        calls.append((transformer_config, lora_config, zero3_leaf_modules))
         return lora
 
     monkeypatch.setattr(memory_plan, "hunyuanvideo15_shape", shape)
@@ -162,13 +168,13 @@ def test_plan_from_a_config_reads_the_run_schema(tmp_path, counted):
         "model: {name: hunyuan15, pretrained: org/hunyuanvideo-1.5, guidance_scale: 6.0,\n"
         "        kwargs: {num_frames: 33, height: 480, width: 848}}\n"
         "lora: {enabled: true, rank: 16}\n"
-        "deepspeed: {config: zero3_offload}\n"
+        "deepspeed: {config: zero3_offload, zero3_leaf_modules: [HunyuanVideo15TransformerBlock]}\n"
         "update: {micro_batch_size: 1, gradient_checkpointing: true}\n"
         "rollout: {group_size: 2, prompts_per_rank: 1}\n"
         "data: {source: prompts.txt}\n"
     )
     plan = memory_plan.plan_from_config(config, gpus_per_node=8, nodes=1, gpu_mem_gb=80)
-    assert counted == [(None, LoraConfig(enabled=True, rank=16))]
+    assert counted == [(None, LoraConfig(enabled=True, rank=16), ["HunyuanVideo15TransformerBlock"])]
     assert plan.lora and plan.offload_optimizer and plan.offload_param and plan.zero_stage == 3
     assert plan.batch == 2  # CFG doubles the batch
     assert plan.tokens == memory_plan.video_tokens(33, 480, 848) + memory_plan.HUNYUANVIDEO15_CONTEXT_TOKENS
