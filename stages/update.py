@@ -364,6 +364,7 @@ def build_engine(
     if ds_config.get("zero_optimization", {}).get("stage") == 3:
         for leaf in zero3_leaves(module, zero3_leaf_modules):
             set_z3_leaf_module(leaf, True)
+            leaf.register_forward_pre_hook(_inputs_require_grad, with_kwargs=True)
     trainable = [p for p in module.parameters() if p.requires_grad]
     if config.optimizer == "muon" and ds_config.get("zero_optimization", {}).get("stage") != 3:
         raise ValueError("update.optimizer=muon is wired for ZeRO-3 configs only (zero3, zero3_offload)")
@@ -418,6 +419,25 @@ def zero3_leaves(module: torch.nn.Module, class_names: Literal["auto"] | list[st
 
     visit(module)
     return leaves
+
+
+def _inputs_require_grad(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Let a leaf's floating-point inputs require grad in a grad-enabled forward. DeepSpeed reduces a leaf's gradients
+    in a full backward hook on the leaf, which fires once the gradients of its inputs exist; when none of its inputs
+    requires grad (the patch embedding and the text refiner always, the first block under LoRA) it fires before the
+    leaf's own parameter gradients are accumulated, and the backward fails on a released parameter. The same trick
+    as transformers' enable_input_require_grads; it costs the gradient of those inputs."""
+    if not torch.is_grad_enabled():
+        return None
+
+    def lifted(value):
+        if torch.is_tensor(value) and value.is_floating_point() and not value.requires_grad:
+            # A view, not the new leaf itself: autograd.grad (the kl_grad_ratio measurement) refuses full backward
+            # hooks on leaf tensors.
+            return value.detach().requires_grad_().view_as(value)
+        return value
+
+    return tuple(map(lifted, args)), {key: lifted(value) for key, value in kwargs.items()}
 
 
 def _hidden_size(module: torch.nn.Module) -> int | None:
@@ -586,6 +606,35 @@ def micro_step_loss(
     return LossTerms(policy + kl_weight * kl, policy, kl, position, velocity, surrogate)
 
 
+class _LeafReduction:
+    """DeepSpeed's gradient reduction for ZeRO-3 leaf modules, which can be held back. It runs in a full backward hook
+    on each leaf, so it would also run inside the torch.autograd.grad passes of ``gradient_ratio`` and fail there
+    (DeepSpeed counts the hooks of a real backward); torch captures the hooks when the forward runs, so each is
+    wrapped once here and asked at call time whether it may run."""
+
+    def __init__(self, module: torch.nn.Module):
+        from deepspeed.utils import z3_leaf_module
+
+        self.held = False
+        for leaf in (m for m in module.modules() if z3_leaf_module(m)):
+            for key, hook in list(leaf._backward_hooks.items()):
+                leaf._backward_hooks[key] = self._gated(hook)
+
+    def _gated(self, hook):
+        def gated(module, grad_input, grad_output):
+            return None if self.held else hook(module, grad_input, grad_output)
+
+        return gated
+
+    @contextmanager
+    def held_back(self):
+        self.held = True
+        try:
+            yield
+        finally:
+            self.held = False
+
+
 def gradient_ratio(terms: LossTerms, kl_weight: float, params: list[torch.nn.Parameter]) -> float:
     """|lambda grad KL| / |grad policy term| over ``params``: whether the trust region acts (0.01-0.3 is a useful
     band; 1e-5, the paper's numbers on our per-element KL, means it does nothing). Keeps the graph for the backward."""
@@ -596,8 +645,9 @@ def gradient_ratio(terms: LossTerms, kl_weight: float, params: list[torch.nn.Par
         grads = torch.autograd.grad(value, params, retain_graph=True, allow_unused=True)
         return float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads if g is not None)))
 
-    policy = norm(terms.policy)
-    return norm(kl_weight * terms.kl) / policy if policy > 0 else float("nan")
+    # Both passes on every rank, whatever the first gives: under ZeRO-3 each fetches parameters collectively.
+    policy, kl = norm(terms.policy), norm(kl_weight * terms.kl)
+    return kl / policy if policy > 0 else float("nan")
 
 
 class Updater:
@@ -612,6 +662,7 @@ class Updater:
         self.trust = trust_config.region()
         self.trust_config = trust_config
         self.controller = trust_config.controller()
+        self._leaf_reduction = _LeafReduction(engine.module)
         offload = trust_config.anchor_offload
         self.anchor = Anchor.snapshot(engine.module, offload=offload) if self.trust.needs_anchor else None
         lagged = self.trust.uses_stepwise_kl and trust_config.velocity_estimator == "lagged"
@@ -654,7 +705,8 @@ class Updater:
             minibatch = _Totals()
             for terms in self.losses(rollout, advantages, weights, micro_steps):
                 if measure:
-                    totals.kl_grad_ratio = gradient_ratio(terms, self.controller.value, self._trainable())
+                    with self._leaf_reduction.held_back():
+                        totals.kl_grad_ratio = gradient_ratio(terms, self.controller.value, self._trainable())
                     measure = False
                 self.engine.backward(terms.loss)
                 self.engine.step()

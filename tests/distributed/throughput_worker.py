@@ -12,6 +12,7 @@ import torch
 
 from core import distributed
 from core.grpo import group_advantages
+from core.lora import LoraConfig, add_lora
 from core.models.tiny import tiny_hunyuan15
 from stages.rollout import SDEConfig, generate
 from stages.update import TrustRegionConfig, UpdateConfig, Updater, build_engine
@@ -29,11 +30,16 @@ def gathered(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone().float() for n, p in params}
 
 
-def build(deepspeed_config: str, zero3_leaf_modules="auto", **options) -> tuple[Updater, object]:
+def build(
+    deepspeed_config: str, zero3_leaf_modules="auto", trust: dict | None = None, lora: bool = False, **options
+) -> tuple[Updater, object]:
     adapter = tiny_hunyuan15(seed=0)
-    adapter.transformer.requires_grad_(True)
+    if lora:
+        add_lora(adapter.transformer, LoraConfig(enabled=True, rank=4))
+    else:
+        adapter.transformer.requires_grad_(True)
     rollout = generate(adapter, PROMPTS, 2, SDE, seed=7, batch_size=1, progress=False)
-    config = UpdateConfig(learning_rate=1e-2, micro_batch_size=1, seed=3, **options)
+    config = UpdateConfig(**{"learning_rate": 1e-2, "micro_batch_size": 1, "seed": 3, **options})
     engine = build_engine(
         adapter.transformer,
         config,
@@ -41,7 +47,8 @@ def build(deepspeed_config: str, zero3_leaf_modules="auto", **options) -> tuple[
         accumulation_steps=config.accumulation_steps(rollout.num_samples, int(rollout.trained_steps.sum())),
         zero3_leaf_modules=zero3_leaf_modules,
     )
-    updater = Updater(engine, adapter, config, TrustRegionConfig(strategy="dual", kl_grad_ratio_every=0))
+    trust_region = TrustRegionConfig(**{"strategy": "dual", "kl_grad_ratio_every": 0, **(trust or {})})
+    updater = Updater(engine, adapter, config, trust_region)
     return updater, rollout
 
 
@@ -90,30 +97,46 @@ def ema_scenario(deepspeed_config: str, out: Path) -> dict:
     }
 
 
+LEAF_CASES = {  # each run with the default leaf blocks and with ZeRO-3's per-module hooks
+    "dual": {},
+    # autograd.grad passes before the backward; at a learning rate that leaves the policy term unclipped
+    "kl_grad_ratio_each_update": {"trust": {"kl_grad_ratio_every": 1}, "learning_rate": 1e-4},
+    "unmeasured": {"learning_rate": 1e-4},  # the same without the measurement
+    "no_trust_region": {"trust": {"strategy": "none"}},  # no no-grad forward before the policy's
+    "lora": {"lora": True},  # the first block's inputs need no grad: only the adapters train
+    "checkpointed": {"gradient_checkpointing": True},  # as the shipped configs train
+}
+
+
 def leaf_scenario(deepspeed_config: str) -> dict:
-    """Two updates with the default leaf blocks (each gathered whole) against two with ZeRO-3's per-module hooks and
-    two with the blocks recomputed in the backward (gradient checkpointing, as the shipped configs train): which
-    modules are leaves, and how far the weights end apart."""
+    """Two updates per case, with leaf blocks and with per-module hooks: which modules are leaves, how far the
+    weights and metrics end apart, and how far checkpointing moves the weights."""
     from deepspeed.utils import z3_leaf_module
 
-    weights, leaves, checkpointing = {}, {}, {}
-    for name, options in {
-        "blocks": {},
-        "per_module": {"zero3_leaf_modules": []},
-        "checkpointed": {"gradient_checkpointing": True},
-    }.items():
-        updater, rollout = build(deepspeed_config, **options)
-        for _ in range(2):
-            updater.update(rollout, advantages(rollout))
-        weights[name] = gathered(updater.engine.module)
-        checkpointing[name] = updater.engine.module.gradient_checkpointing
-        leaves[name] = sorted({type(m).__name__ for m in updater.engine.module.modules() if z3_leaf_module(m)})
-    return {
-        "leaves": leaves,
-        "checkpointing": checkpointing,
-        "per_module_difference": max_difference(weights["blocks"], weights["per_module"]),
-        "checkpointed_difference": max_difference(weights["blocks"], weights["checkpointed"]),
-    }
+    report, weights = {}, {}
+    for case, options in LEAF_CASES.items():
+        runs = {}
+        for hooks, leaf_modules in {"blocks": "auto", "per_module": []}.items():
+            updater, rollout = build(deepspeed_config, zero3_leaf_modules=leaf_modules, **options)
+            module = updater.engine.module
+            start = gathered(module)
+            metrics = [updater.update(rollout, advantages(rollout)) for _ in range(2)]
+            runs[hooks] = (gathered(module), metrics[-1], module, start)
+        (blocks, block_metrics, module, start), (per_module, module_metrics, *_) = runs["blocks"], runs["per_module"]
+        weights[case] = blocks
+        report[case] = {
+            "leaves": sorted({type(m).__name__ for m in module.modules() if z3_leaf_module(m)}),
+            "checkpointing": module.gradient_checkpointing,
+            "weights_difference": max_difference(blocks, per_module),
+            "metrics_differing": sorted(k for k in block_metrics if block_metrics[k] != module_metrics[k]),
+            "kl_grad_ratio": block_metrics.get("kl_grad_ratio"),
+            "weights_moved": max_difference(blocks, start),
+        }
+    report["checkpointed"]["checkpointing_difference"] = max_difference(weights["dual"], weights["checkpointed"])
+    report["kl_grad_ratio_each_update"]["measurement_difference"] = max_difference(
+        weights["kl_grad_ratio_each_update"], weights["unmeasured"]
+    )
+    return report
 
 
 def main():
