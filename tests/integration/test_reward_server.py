@@ -402,15 +402,14 @@ def test_a_hanging_reward_answers_503_within_the_request_timeout(tmp_path):
         request_timeout_s=1,
     )
     try:
-        started = time.monotonic()
         with pytest.raises(RewardUnavailable, match="503"):
             good_request(served.url)
-        waited = time.monotonic() - started
         with urllib.request.urlopen(f"{served.url}/health", timeout=5) as response:  # still serving
             assert json.load(response)["status"] == "ok"
     finally:
         served.stop()
-    assert 1 <= waited < 4
+    # The server gave up on the call it had started (not the client on the server): one call, still sleeping.
+    assert calls.read_text().splitlines() == ["2"]
     assert "did not finish within 1 s" in served.log()
 
 
