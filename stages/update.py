@@ -364,7 +364,8 @@ def build_engine(
     if ds_config.get("zero_optimization", {}).get("stage") == 3:
         for leaf in zero3_leaves(module, zero3_leaf_modules):
             set_z3_leaf_module(leaf, True)
-            leaf.register_forward_pre_hook(_inputs_require_grad, with_kwargs=True)
+            if any(p.requires_grad for p in leaf.parameters()):  # a frozen leaf has no gradients to wait for
+                leaf.register_forward_pre_hook(_inputs_require_grad, with_kwargs=True)
     trainable = [p for p in module.parameters() if p.requires_grad]
     if config.optimizer == "muon" and ds_config.get("zero_optimization", {}).get("stage") != 3:
         raise ValueError("update.optimizer=muon is wired for ZeRO-3 configs only (zero3, zero3_offload)")
@@ -399,7 +400,11 @@ def zero3_leaves(module: torch.nn.Module, class_names: Literal["auto"] | list[st
     """The outermost submodules of the named classes: ZeRO-3 fetches each one's parameters at once when it is entered
     and releases them when it is left, so a forward costs one fetch per block instead of one per linear layer and norm
     (and its outputs go through DeepSpeed's autograd wrappers once). The gathered block is what one GPU holds beyond
-    its shard, as with FSDP's per-block wrapping: ~0.3 GB in bf16 for a HunyuanVideo 1.5 block."""
+    its shard, as with FSDP's per-block wrapping: ~0.3 GB in bf16 for a HunyuanVideo 1.5 block.
+
+    With "auto" the rest of the model is grouped too, as FSDP's root unit groups it: each largest submodule that holds
+    no block but has layers of its own (the time and text embeddings, the output norm) is gathered whole, so those
+    small layers cost one set of hooks per part instead of one per layer."""
     auto = class_names == "auto"
     names = set(getattr(module, "_no_split_modules", None) or []) if auto else set(class_names)
     present = {type(submodule).__name__ for submodule in module.modules()}
@@ -410,12 +415,20 @@ def zero3_leaves(module: torch.nn.Module, class_names: Literal["auto"] | list[st
         )
     leaves: list[torch.nn.Module] = []
 
-    def visit(parent: torch.nn.Module) -> None:
+    def visit(parent: torch.nn.Module) -> bool:
+        """Collect the named leaves below ``parent`` and, with "auto", its other parts; whether it holds a leaf."""
+        holding, others = False, []
         for child in parent.children():
             if type(child).__name__ in names:
                 leaves.append(child)
+                holding = True
+            elif visit(child):
+                holding = True
             else:
-                visit(child)
+                others.append(child)
+        if holding and auto:
+            leaves.extend(child for child in others if next(child.children(), None) is not None)
+        return holding
 
     visit(module)
     return leaves
@@ -528,37 +541,43 @@ class Transition:
 
 @dataclass
 class _Totals:
-    sums: dict[str, float] = field(default_factory=dict)
-    count: int = 0
+    """Each micro-step's scalars, kept on the policy's device until read: one host sync per optimizer update. A
+    ``.item()`` per micro-step would block the host until that micro-step's backward finished on the GPU, so the
+    next forward's Python and DeepSpeed hook work could not run while the GPU computes."""
+
+    FIELDS = ("loss", "policy_loss", "kl", "position_kl", "velocity_kl", "clip_fraction", "ratio_mean")
+
+    rows: list[torch.Tensor] = field(default_factory=list)
     kl_grad_ratio: float | None = None
-    ratio_min: float = math.inf
-    ratio_max: float = -math.inf
 
     def add(self, terms: LossTerms) -> None:
-        ratio = terms.surrogate.ratio
-        values = dict(
-            loss=terms.loss.item(),
-            policy_loss=terms.policy.item(),
-            kl=terms.kl.item(),
-            position_kl=terms.position_kl.item(),
-            velocity_kl=terms.velocity_kl.item(),
-            clip_fraction=terms.surrogate.clipped.float().mean().item(),
-            ratio_mean=ratio.mean().item(),
+        ratio = terms.surrogate.ratio.detach().float()
+        scalars = (terms.loss, terms.policy, terms.kl, terms.position_kl, terms.velocity_kl)
+        self.rows.append(
+            torch.stack(
+                [
+                    *(value.detach().float().reshape(()) for value in scalars),
+                    terms.surrogate.clipped.float().mean(),
+                    ratio.mean(),
+                    ratio.min(),
+                    ratio.max(),
+                ]
+            )
         )
-        for key, value in values.items():
-            self.sums[key] = self.sums.get(key, 0.0) + float(value)
-        self.count += 1
-        self.ratio_min = min(self.ratio_min, ratio.min().item())
-        self.ratio_max = max(self.ratio_max, ratio.max().item())
 
     def merge(self, other: _Totals) -> None:
-        for key, value in other.sums.items():
-            self.sums[key] = self.sums.get(key, 0.0) + value
-        self.count += other.count
-        self.ratio_min, self.ratio_max = min(self.ratio_min, other.ratio_min), max(self.ratio_max, other.ratio_max)
+        self.rows += other.rows
+
+    def _table(self) -> torch.Tensor:
+        return torch.stack(self.rows).double().cpu() if self.rows else torch.empty(0, len(self.FIELDS) + 2)
 
     def means(self) -> dict[str, float]:
-        return {key: value / max(self.count, 1) for key, value in self.sums.items()}
+        table = self._table()
+        return dict(zip(self.FIELDS, table[:, : len(self.FIELDS)].mean(0).tolist())) if len(table) else {}
+
+    def ratio_range(self) -> tuple[float, float]:
+        table = self._table()
+        return (table[:, -2].min().item(), table[:, -1].max().item()) if len(table) else (math.inf, -math.inf)
 
 
 @dataclass
@@ -724,13 +743,15 @@ class Updater:
         weights: torch.Tensor | None = None,
         transitions: list[Transition] | None = None,
     ) -> Iterator[LossTerms]:
-        """Each micro-step's loss in training order, computed lazily (after the previous step was applied)."""
+        """Each micro-step's loss in training order, its policy forward computed lazily (after the previous micro-step
+        was applied). ``transitions`` (default: the whole rollout) must belong to one optimizer update."""
         weights = self._timestep_weights(rollout) if weights is None else weights
         device = rollout.latents.device
         # Once per update: group_advantages builds CPU tensors, the policy's ratio lives on the model's device.
         advantages = Advantages(advantages.values.to(device), advantages.valid.to(device))
-        for transition in self._transitions(rollout) if transitions is None else transitions:
-            yield self._micro_step(rollout, advantages, weights, transition)
+        transitions = self._transitions(rollout) if transitions is None else transitions
+        for transition, references in zip(transitions, self._reference_means(rollout, transitions)):
+            yield self._micro_step(rollout, advantages, weights, transition, references)
 
     def iteration_flops(self, rollout) -> float:
         """Model FLOPs of one iteration on this rank (``core.flops``): the rollout's forwards, then per trained
@@ -792,13 +813,27 @@ class Updater:
     def _timestep_weights(self, rollout) -> torch.Tensor:
         return timestep_weights(rollout, equalize=self.config.equalizer)
 
-    def _micro_step(self, rollout, advantages: Advantages, weights, transition: Transition) -> LossTerms:
-        index, t = transition.samples, transition.step
-        references = {}
+    def _reference_means(self, rollout, transitions: list[Transition]) -> list[dict[str, torch.Tensor]]:
+        """The anchor's and the lagged policy's means for each of one update's micro-steps, each forward batched as
+        its micro-step. Neither moves until the update is applied, so each is swapped in once per update instead of
+        twice per micro-step: under ZeRO-3 a swap releases every gathered parameter (the persistent small ones
+        included), which the next forward gathers again."""
+        means = [{} for _ in transitions]
         for name, copy in (("anchor_mean", self.anchor), ("lagged_mean", self.lagged)):
-            if copy is not None:
-                with torch.no_grad(), copy.swapped_in():
-                    references[name] = score_transition(self.adapter, rollout, index, t, module=self.engine).mean
+            if copy is None:
+                continue
+            with torch.no_grad(), copy.swapped_in():
+                for slot, transition in zip(means, transitions):
+                    step = score_transition(
+                        self.adapter, rollout, transition.samples, transition.step, module=self.engine
+                    )
+                    slot[name] = step.mean
+        return means
+
+    def _micro_step(
+        self, rollout, advantages: Advantages, weights, transition: Transition, references: dict[str, torch.Tensor]
+    ) -> LossTerms:
+        index, t = transition.samples, transition.step
         step = score_transition(self.adapter, rollout, index, t, module=self.engine)
         device = rollout.latents.device
         on_device = index.to(device)
@@ -846,10 +881,11 @@ class Updater:
             means.pop("ratio_mean", None)
             means.pop("clip_fraction", None)
         metrics = distributed.all_reduce_mean(means)
+        ratio_min, ratio_max = totals.ratio_range()
         if reused:
-            metrics["ratio_min"], metrics["ratio_max"] = totals.ratio_min, totals.ratio_max
+            metrics["ratio_min"], metrics["ratio_max"] = ratio_min, ratio_max
         else:  # this rank's largest |log pi_train - log pi_rollout| over the update
-            metrics["logprob_mismatch"] = max(_log_distance(totals.ratio_min), _log_distance(totals.ratio_max))
+            metrics["logprob_mismatch"] = max(_log_distance(ratio_min), _log_distance(ratio_max))
         if totals.kl_grad_ratio is not None:
             metrics["kl_grad_ratio"] = distributed.all_reduce_mean({"r": totals.kl_grad_ratio})["r"]
         metrics["lambda_kl"] = self.controller.value

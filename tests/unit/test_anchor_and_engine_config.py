@@ -165,6 +165,16 @@ def test_zero3_leaves_are_the_outermost_modules_of_the_named_classes():
     auto = [type(m).__name__ for m in zero3_leaves(transformer, "auto")]
     assert auto.count("HunyuanVideo15TransformerBlock") == len(transformer.transformer_blocks)
     assert auto.count("HunyuanVideo15TokenRefiner") == auto.count("HunyuanVideo15PatchEmbed") == 1
+    # The rest is grouped into its largest parts without a block: left outside any leaf, each hooked on its own,
+    # are only the root, the list of blocks and single layers.
+    leaves = zero3_leaves(transformer, "auto")
+    assert transformer.time_embed in leaves and transformer.norm_out in leaves
+    inside = {id(m) for leaf in leaves for m in leaf.modules()}
+    outside = [m for m in transformer.modules() if id(m) not in inside]
+    assert {type(m).__name__ for m in outside if next(m.children(), None) is not None} == {
+        "HunyuanVideo15Transformer3DModel",
+        "ModuleList",
+    }
     # A named class inside a leaf is gathered with it, not made a leaf of its own.
     nested = zero3_leaves(transformer, ["HunyuanVideo15TokenRefiner", "HunyuanVideo15IndividualTokenRefinerBlock"])
     assert nested == [transformer.context_embedder]
