@@ -220,6 +220,13 @@ def rollout_bytes(samples: int, steps: int, latent_elements: int) -> int:
     return FP32_BYTES * latent_elements * samples * (steps + 1)
 
 
+def reference_bytes(transitions_per_update: int, latent_elements: int, references: int) -> int:
+    """GPU bytes of the KL references held through one optimizer update: the anchor's and the lagged policy's float32
+    means of each of its transitions (samples x trained steps / updates_per_rollout), computed before its first
+    backward so that each is swapped in once per update (stages/update.py)."""
+    return FP32_BYTES * latent_elements * transitions_per_update * references
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """A plan's inputs and per-GPU numbers (bytes); ``str(plan)`` is the table ``sagegrpo plan`` prints.
@@ -245,6 +252,7 @@ class MemoryPlan:
     activations_with_checkpointing: int
     activations_without_checkpointing: int
     rollout: int
+    references: int
     reserve: int
     min_nodes: int | None
 
@@ -257,7 +265,8 @@ class MemoryPlan:
     @property
     def total(self) -> int:
         s = self.states
-        return s.params + s.gradients + s.optimizer + self.anchor + self.activations + self.rollout + self.reserve
+        held = self.anchor + self.activations + self.rollout + self.references
+        return s.params + s.gradients + s.optimizer + held + self.reserve
 
     @property
     def fits(self) -> bool:
@@ -286,6 +295,7 @@ class MemoryPlan:
             f"  activations    {gb(self.activations)}  (gradient checkpointing {checkpointing}; "
             f"{'off' if self.grad_checkpointing else 'on'}: {alternative / GIB:.2f} GB)",
             f"  rollout        {gb(self.rollout)}  (the latents of every step)",
+            f"  KL references  {gb(self.references)}  (the anchor's and lagged policy's means for one update)",
             f"  reserve        {gb(self.reserve)}  (CUDA context, NCCL, fragmentation, VAE and reward model)",
             f"  total          {gb(self.total)}  of {self.gpu_mem_gb:g} GB: {'fits' if self.fits else 'does NOT fit'}",
             f"host memory per node (DeepSpeed's estimate): {self.states.cpu_per_node / GIB:.2f} GB",
@@ -319,15 +329,17 @@ def plan(
     batch: int = 1,
     anchor_offload: bool = False,
     rollout: int = 0,
+    references: int = 0,
     reserve_gb: float = DEFAULT_RESERVE_GB,
     max_nodes: int = 1024,
 ) -> MemoryPlan:
     """Per-GPU memory for a run; ``batch`` is the sequences in one transformer call (micro-batch x CFG branches),
-    ``rollout`` the bytes of one rank's rollout (``rollout_bytes``).
+    ``rollout`` the bytes of one rank's rollout (``rollout_bytes``), ``references`` those of its KL references
+    (``reference_bytes``).
 
     ``min_nodes`` is the smallest node count up to ``max_nodes`` at which the same setup fits. Only model states
-    and the anchor shrink with more GPUs; activations, the rollout and the reserve do not, so they alone can make it
-    None.
+    and the anchor shrink with more GPUs; activations, the rollout, the KL references and the reserve do
+    not, so they alone can make it None.
     """
     if gpus_per_node < 1 or nodes < 1:
         raise UserError(f"--gpus-per-node and --nodes must be >= 1, got {gpus_per_node} and {nodes}")
@@ -367,6 +379,7 @@ def plan(
             activations_with_checkpointing=activations[True],
             activations_without_checkpointing=activations[False],
             rollout=rollout,
+            references=references,
             reserve=int(reserve_gb * GIB),
             min_nodes=None,
         )
@@ -425,7 +438,12 @@ def plan_for(config, gpus_per_node: int, nodes: int, gpu_mem_gb: float) -> Memor
     )
     cfg_branches = 2 if model.guidance_scale > 1 else 1
     samples = config.rollout.prompts_per_rank * config.rollout.group_size
-    rollout = rollout_bytes(samples, config.sde.steps, shape.latent_channels * video_tokens(frames, height, width))
+    latent_elements = shape.latent_channels * video_tokens(frames, height, width)
+    rollout = rollout_bytes(samples, config.sde.steps, latent_elements)
+    trained = int(config.sde.trained_steps_mask().sum()) * samples // update.updates_per_rollout
+    region = config.trust_region.region()
+    lagged = region.uses_stepwise_kl and config.trust_region.velocity_estimator == "lagged"
+    references = reference_bytes(trained, latent_elements, int(region.needs_anchor) + int(lagged))
     return plan(
         shape.param_count,
         shape.trainable_count,
@@ -446,4 +464,5 @@ def plan_for(config, gpus_per_node: int, nodes: int, gpu_mem_gb: float) -> Memor
         batch=update.micro_batch_size * cfg_branches,
         anchor_offload=config.trust_region.anchor_offload,
         rollout=rollout,
+        references=references,
     )

@@ -220,7 +220,8 @@ class DeepSpeedConfig(BaseModel):
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     collective_timeout_minutes: float = Field(30.0, gt=0, le=24 * 60, allow_inf_nan=False)
     # Module classes ZeRO-3 gathers whole, with one set of hooks, instead of hooking each submodule (DeepSpeed's
-    # leaf modules). "auto": the model's own _no_split_modules, its transformer blocks, the unit FSDP wraps too.
+    # leaf modules). "auto": the model's own _no_split_modules, its transformer blocks, the unit FSDP wraps too, and
+    # the largest other parts that hold layers (the time and text embeddings, the output norm).
     zero3_leaf_modules: Literal["auto"] | list[str] = "auto"
 
     @field_validator("config")

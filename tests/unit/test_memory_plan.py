@@ -8,6 +8,7 @@ import pytest
 from core.errors import UserError
 from core.lora import LoraConfig
 from pipeline import memory_plan
+from stages.rollout import SDEConfig
 
 pytestmark = pytest.mark.unit
 
@@ -182,9 +183,22 @@ def test_plan_from_a_config_reads_the_run_schema(tmp_path, counted):
     assert "LoRA" in text and "fits" in text and "smallest node count" in text
     # 2 samples x 21 float32 latents (20 steps), counted in the total.
     assert plan.rollout == 4 * 32 * memory_plan.video_tokens(33, 480, 848) * 2 * 21
-    assert plan.total - plan.rollout == _without_rollout(plan) and "rollout" in text
+    assert plan.total - plan.rollout - plan.references == _without_rollout(plan) and "rollout" in text
     bigger = memory_plan.plan_from_config(config, gpus_per_node=8, nodes=1, gpu_mem_gb=80, overrides=["sde.steps=40"])
     assert bigger.rollout == plan.rollout * 41 // 21
+    # The dual trust region's two references (anchor, lagged policy): a float32 mean per trained transition of an
+    # update, 2 samples x the trained steps of the schedule; none without a trust region, one with the rollout
+    # log-ratio velocity estimator, half per update with two updates per rollout.
+    trained = int(SDEConfig().trained_steps_mask().sum())
+    assert plan.references == 4 * 32 * memory_plan.video_tokens(33, 480, 848) * 2 * trained * 2
+    assert "KL references" in text
+
+    def references(*overrides):
+        return memory_plan.plan_from_config(config, 8, 1, 80, overrides=list(overrides)).references
+
+    assert references("trust_region.strategy=none") == 0
+    assert references("trust_region.velocity_estimator=rollout_logratio") == plan.references // 2
+    assert references("update.updates_per_rollout=2") == plan.references // 2
 
     with pytest.raises(UserError, match="only models"):
         memory_plan.plan_from_config(
