@@ -13,9 +13,10 @@
   ZeRO-3 memory 2 ranks / 1 rank   partitioned param + master + grad + optimizer bytes per rank (torchrun), <= 0.55
   SDE window w of T                update time with w trained steps relative to all trained steps (expect ~ w / T)
 
-    python -m benchmarks.perf [--repeats 3] [--sizes tiny compute]
+    python -m benchmarks.perf [--repeats 3] [--update-repeats 9] [--sizes tiny compute]
 
-Timings alternate between the compared sides and report medians, so drifting machine load hits both alike.
+Timings alternate between the compared sides and report medians, so drifting machine load hits both alike; the
+update ratios are medians of adjacent (ours, bare) pairs after two warm-ups, with their quartiles.
 """
 
 from __future__ import annotations
@@ -171,20 +172,58 @@ def rollout_ratio(repeats: int) -> float:
     return medians["ours"] / medians["diffusers"]
 
 
-def update_ratio(size: Size, repeats: int, deepspeed_config: str) -> tuple[float, float, float]:
+@dataclass(frozen=True)
+class PairedRatio:
+    """ours / baseline over runs taken in adjacent pairs: the median of the pairs' ratios, and their quartiles (the
+    spread one run of this script carries: single updates vary by +-15% on a shared CPU)."""
+
+    median: float
+    quartiles: tuple[float, float]
+    ours_s: float
+    baseline_s: float
+
+    def __str__(self) -> str:
+        low, high = self.quartiles
+        return (
+            f"{self.median:.3f} (quartiles {low:.3f}-{high:.3f}; {self.ours_s * 1000:.0f} ms vs "
+            f"{self.baseline_s * 1000:.0f} ms)"
+        )
+
+
+def paired_ratio(ours: Callable, baseline: Callable, repeats: int, warmups: int = 2) -> PairedRatio:
+    """Each pair runs ``ours`` then ``baseline`` back to back, so load drifting over the run slows both alike; the
+    warm-ups let both settle (optimizer state, allocator pools, the lagged policy's first commit)."""
+    for _ in range(warmups):
+        ours(), baseline()
+    times = []
+    for _ in range(repeats):
+        pair = []
+        for run in (ours, baseline):
+            start = time.perf_counter()
+            run()
+            pair.append(time.perf_counter() - start)
+        times.append(pair)
+    ratios = [o / b for o, b in times]
+    low, _, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    return PairedRatio(
+        statistics.median(ratios),
+        (low, high),
+        statistics.median(o for o, _ in times),
+        statistics.median(b for _, b in times),
+    )
+
+
+def update_ratio(size: Size, repeats: int, deepspeed_config: str) -> PairedRatio:
     ours_adapter, bare_adapter = _trainable(size), _trainable(size)
     rollout = _rollout(ours_adapter, size.sde)
     updater = _updater(ours_adapter, rollout, deepspeed_config=deepspeed_config)
     optimizer = torch.optim.AdamW(bare_adapter.transformer.parameters(), lr=1e-5, foreach=False)
     advantages = _advantages(rollout)
-    medians = median_seconds(
-        {
-            "ours": lambda: updater.update(rollout, advantages),
-            "bare": lambda: bare_update(bare_adapter, rollout, optimizer, _references(updater)),
-        },
+    return paired_ratio(
+        lambda: updater.update(rollout, advantages),
+        lambda: bare_update(bare_adapter, rollout, optimizer, _references(updater)),
         repeats,
     )
-    return medians["ours"] / medians["bare"], medians["ours"], medians["bare"]
 
 
 def batched_transitions_ratio(repeats: int) -> tuple[float, float, float]:
@@ -208,8 +247,8 @@ def batched_transitions_ratio(repeats: int) -> tuple[float, float, float]:
 
 
 def iteration_split(size: Size, repeats: int, deepspeed_config: str) -> tuple[dict[str, float], float]:
-    """Median seconds per stage of full iterations, and the share of the iteration outside model compute (the bare
-    rollout forwards and decode and the bare update of the same batch, timed right after)."""
+    """Median seconds per stage of full iterations, and the median share of an iteration outside model compute (the
+    bare rollout forwards and decode and the bare update of the same batch, timed right after it)."""
     adapter, bare_adapter = _trainable(size), _trainable(size)
     updater = _updater(adapter, _rollout(adapter, size.sde), deepspeed_config=deepspeed_config)
     rewards, weights = [Brightness(), TemporalSmoothness()], {"brightness": 1.0, "temporal_smoothness": 1.0}
@@ -233,8 +272,12 @@ def iteration_split(size: Size, repeats: int, deepspeed_config: str) -> tuple[di
         for name, begin, end in zip(stages, marks, marks[1:]):
             stages[name].append(end - begin)
     medians = {name: statistics.median(values[1:]) for name, values in stages.items()}
-    iteration = sum(v for k, v in medians.items() if k != "bare model")
-    return medians, 1.0 - medians["bare model"] / iteration
+    # Per iteration, then the median: an iteration and its bare model work run back to back (as paired_ratio pairs).
+    outside = [
+        1.0 - bare / sum(stages[name][i] for name in stages if name != "bare model")
+        for i, bare in enumerate(stages["bare model"])
+    ][1:]
+    return medians, statistics.median(outside)
 
 
 class SleepingReward:
@@ -326,10 +369,10 @@ def report_update(repeats: int, size: Size = TINY) -> None:
     # ZeRO-2 beside ZeRO-3 separates our update's own overhead from ZeRO-3's parameter gathering.
     target = 1.3 if size is TINY else 1.10
     for name in ("zero3", "zero2"):
-        ratio, ours_s, bare_s = update_ratio(size, repeats, name)
+        ratio = update_ratio(size, repeats, name)
         print(
-            f"[{size.name}] update / bare (anchor + lagged fwd, policy fwd+bwd) ({name}, dual KL): {ratio:.3f}  "
-            f"(target <= {target}; {ours_s * 1000:.0f} ms vs {bare_s * 1000:.0f} ms)",
+            f"[{size.name}] update / bare (anchor + lagged fwd, policy fwd+bwd) ({name}, dual KL): {ratio}  "
+            f"(target <= {target})",
             flush=True,
         )
 
@@ -372,6 +415,9 @@ def report_memory() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--update-repeats", type=int, default=9, help="pairs for the update ratios and iteration splits (the targets)"
+    )
     parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["tiny", "compute"])
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -380,12 +426,13 @@ def main() -> None:
         f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, "
         f"{'CUDA' if torch.cuda.is_available() else 'no GPU'}; 1 torch thread; {len(PROMPTS)} prompts x {GROUP} "
         f"samples in one micro-batch, full fine-tuning; tiny: {TINY.sde.steps} SDE steps, compute-bound: "
-        f"{SIZES['compute'].sde.steps} ({TINY.sde.variant}); median of {args.repeats}",
+        f"{SIZES['compute'].sde.steps} ({TINY.sde.variant}); median of {args.repeats} "
+        f"({args.update_repeats} pairs for the update ratios and splits)",
         flush=True,
     )
     for key in args.sizes:
-        report_update(args.repeats, SIZES[key])
-        report_split(args.repeats, SIZES[key])
+        report_update(args.update_repeats, SIZES[key])
+        report_split(args.update_repeats, SIZES[key])
     if "tiny" in args.sizes:
         print(
             f"[tiny] rollout / diffusers pipeline (20 steps, batch 4): {rollout_ratio(args.repeats):.3f}  "

@@ -30,16 +30,18 @@ def _is_zero3(param: torch.nn.Parameter) -> bool:
     return hasattr(param, "ds_tensor")
 
 
-def _release_if_gathered(param: torch.nn.Parameter) -> None:
-    """Drop a ZeRO-3 parameter's gathered copy, so the next forward gathers from the (swapped) shards.
+def _release_gathered(params: list[torch.nn.Parameter]) -> None:
+    """Drop the gathered copies of these ZeRO-3 parameters, so the next forward gathers from the (swapped) shards.
 
     This includes the small parameters ZeRO-3 keeps gathered for speed ("persistent"): the coordinator re-fetches
-    whatever is not available, so they come back on the next forward, with the swapped values.
+    whatever is not available, so they come back on the next forward, with the swapped values. One call for the
+    whole list: DeepSpeed's per-parameter partition() formats a debug line for each call even when it prints none.
     """
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    if param.ds_status == ZeroParamStatus.AVAILABLE:
-        param.partition()
+    gathered = [p for p in params if _is_zero3(p) and p.ds_status == ZeroParamStatus.AVAILABLE]
+    if gathered:
+        gathered[0].partition(param_list=gathered)
 
 
 def _holder(param: torch.nn.Parameter) -> torch.Tensor:
@@ -110,9 +112,8 @@ class Anchor:
 
     @torch.no_grad()
     def _swap(self) -> None:
+        _release_gathered(self.params)
         for i, param in enumerate(self.params):
-            if _is_zero3(param):
-                _release_if_gathered(param)
             holder = _holder(param)
             if self.offload:  # host copies cannot stand in for device tensors: exchange the values
                 held = holder.data.clone()
@@ -125,18 +126,16 @@ class Anchor:
     def _copy_in(self) -> list[torch.Tensor]:
         """The saved values copied into the policy (cast to its precision); returns the policy's own values."""
         kept = []
+        _release_gathered(self.params)
         for param, saved in zip(self.params, self._saved):
-            if _is_zero3(param):
-                _release_if_gathered(param)
             kept.append(_holder(param).data.clone())
             _holder(param).data.copy_(saved)
         return kept
 
     @torch.no_grad()
     def _restore(self, kept: list[torch.Tensor]) -> None:
+        _release_gathered(self.params)
         for param, values in zip(self.params, kept):
-            if _is_zero3(param):
-                _release_if_gathered(param)
             _holder(param).data.copy_(values)
 
     @contextmanager
