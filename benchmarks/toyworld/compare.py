@@ -174,14 +174,10 @@ def _updater(adapter, config: Config, seed: int) -> Updater:
 def _kl_grad_ratio(updater: Updater, adapter, rollout, advantages) -> float:
     """|lambda grad KL| / |grad policy term| on the update's first micro-step, as ``stages.update.gradient_ratio``
     measures it, but through a copy of the policy that DeepSpeed has not hooked (the reference means go through the
-    engine without gradients, exactly as ``Updater._micro_step`` computes them)."""
+    engine without gradients, as ``Updater._reference_means`` computes them for the update)."""
     transition = updater._transitions(rollout)[0]
     index, t = transition.samples, transition.step
-    references = {}
-    for name, snapshot in (("anchor_mean", updater.anchor), ("lagged_mean", updater.lagged)):
-        if snapshot is not None:
-            with torch.no_grad(), snapshot.swapped_in():
-                references[name] = score_transition(adapter, rollout, index, t, module=updater.engine).mean
+    references = updater._reference_means(rollout, [transition])[0]
     policy = train_used_weights(build_transformer())
     policy.load_state_dict(updater.engine.module.state_dict())
     step = score_transition(adapter, rollout, index, t, module=policy)
