@@ -1,0 +1,127 @@
+"""The KL references of an optimizer update (the anchor's and the lagged policy's means), computed before its first
+backward with each reference swapped in once, must be the ones each micro-step would have computed at its own turn."""
+
+import pytest
+import torch
+
+from core.grpo import group_advantages
+from core.models.base import PromptEmbeddings, VideoModelAdapter
+from stages.anchor import Anchor
+from stages.rollout import SDEConfig, generate, score_transition
+from stages.update import TrustRegionConfig, UpdateConfig, Updater
+
+pytestmark = pytest.mark.unit
+
+
+class LinearAdapter(VideoModelAdapter):
+    """A one-layer "transformer" over the channels, on the CPU."""
+
+    def __init__(self):
+        torch.manual_seed(0)
+        self.transformer = torch.nn.Linear(2, 2)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def encoder_identity(self) -> str:
+        return "linear"
+
+    def encode_prompts(self, prompts):
+        return PromptEmbeddings({"text": torch.zeros(len(prompts), 3)})
+
+    def latent_shape(self):
+        return (2, 1, 2, 2)
+
+    def predict_velocity(self, latents, sigma, embeddings, *, module=None):
+        module = self.transformer if module is None else module
+        return module(latents.movedim(1, -1)).movedim(-1, 1) * sigma.view(-1, 1, 1, 1, 1)
+
+    def decode(self, latents):
+        raise AssertionError("not decoded")
+
+
+class SGDEngine(torch.nn.Module):
+    """DeepSpeed's engine contract as the Updater uses it: gradients accumulate over the micro-steps of an update and
+    the optimizer applies at its boundary."""
+
+    def __init__(self, module, accumulation: int):
+        super().__init__()
+        self.module, self.accumulation, self.micro_steps = module, accumulation, 0
+        self.optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def gradient_accumulation_steps(self):
+        return self.accumulation
+
+    def backward(self, loss):
+        (loss / self.accumulation).backward()
+
+    def step(self):
+        self.micro_steps += 1
+        if self.micro_steps % self.accumulation == 0:
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+
+    def was_step_applied(self):
+        return True
+
+    def get_global_grad_norm(self):
+        return None
+
+    def zero_optimization_stage(self):
+        return 0
+
+
+def test_each_micro_step_uses_its_updates_references_swapped_in_once_per_update(monkeypatch):
+    adapter = LinearAdapter()
+    config = SDEConfig(variant="sage", eta=0.7, steps=3, shift=3.0)
+    rollout = generate(adapter, ["a", "b"], 2, config, seed=0, batch_size=2, decode=False, progress=False)
+    micro_steps = len(rollout.batches) * int(rollout.trained_steps.sum())  # 2 chunks x 2 trained steps
+    engine = SGDEngine(adapter.transformer, accumulation=micro_steps // 2)
+    trust = TrustRegionConfig(anchor_interval=1, kl_grad_ratio_every=0)  # the anchor moves between the two updates
+    updater = Updater(engine, adapter, UpdateConfig(micro_batch_size=2, updates_per_rollout=2), trust)
+    references = {"anchor_mean": updater.anchor, "lagged_mean": updater.lagged}
+
+    transitions = updater._transitions(rollout)  # the update's order (seeded by the update count, here 0)
+    at_start = dict(zip(map(_key, transitions), updater._reference_means(rollout, transitions)))
+    swaps, checking = [], []
+    swapped_in = Anchor.swapped_in
+
+    def counted(self):
+        if not checking:
+            swaps.append(next(name for name, copy in references.items() if copy is self))
+        return swapped_in(self)
+
+    monkeypatch.setattr(Anchor, "swapped_in", counted)
+    used, current = [], []
+    micro_step = updater._micro_step
+
+    def at_its_turn(rollout, advantages, weights, transition, given):
+        """The references as this micro-step would compute them now, through the engine, one swap each."""
+        checking.append(True)
+        for name, copy in references.items():
+            with torch.no_grad(), copy.swapped_in():
+                mean = score_transition(adapter, rollout, transition.samples, transition.step, module=engine).mean
+            current.append(torch.equal(given[name], mean))
+            used.append(torch.equal(at_start[_key(transition)][name], mean))
+        checking.pop()
+        return micro_step(rollout, advantages, weights, transition, given)
+
+    monkeypatch.setattr(updater, "_micro_step", at_its_turn)
+    metrics = updater.update(rollout, group_advantages([0.1, 0.9, 0.4, 0.2], rollout.group_ids))
+
+    assert metrics["updates_done"] == 2 and len(current) == 2 * micro_steps
+    assert all(current)  # every micro-step trained against the references of its own update
+    # Each reference swapped in once per update (it was twice per micro-step); the update order is staged, then both.
+    assert swaps == ["anchor_mean", "lagged_mean"] * 2
+    # The test can fail: the second update's anchor means differ from those before the first update (the anchor was
+    # refreshed in between), so references computed once for the whole rollout would be caught.
+    assert all(used[:4]) and not all(used[4:])
+
+
+def _key(transition) -> tuple:
+    return tuple(transition.samples.tolist()), transition.step
