@@ -5,8 +5,9 @@ Recipe, per rollout:
      ``transitions_per_micro_step`` to a forward, and split them into ``updates_per_rollout`` mini-batches, each one
      optimizer update (PPO's reuse of a rollout: from the second update on the ratio departs from 1, so the clip and
      the velocity KL to the lagged policy act);
-  2. for each micro-step: the anchor's mean (no grad, anchor weights swapped in) when position KL is on, then the
-     policy's velocity and the log-prob of the recorded transition; loss = clipped surrogate x S_t
+  2. before an update's first backward, the anchor's and the lagged policy's means for all its micro-steps (no grad,
+     each reference's weights swapped in once: neither moves until the update is applied); then for each micro-step
+     the policy's velocity and the log-prob of the recorded transition; loss = clipped surrogate x S_t
      + lambda_KL x (position KL + 0.1 x step-wise KL); ``engine.backward``; ``engine.step`` (DeepSpeed applies the
      optimizer at the accumulation boundary, i.e. once per update);
   3. a non-finite gradient norm makes DeepSpeed skip the step on every rank (the norm is all-reduced); it is counted;
