@@ -629,7 +629,7 @@ def micro_step_loss(
 
 class _LeafReduction:
     """DeepSpeed's gradient reduction for ZeRO-3 leaf modules, which can be held back. It runs in a full backward hook
-    on each leaf, so it would also run inside the torch.autograd.grad passes of ``gradient_ratio`` and fail there
+    on each leaf, so it would also run inside the torch.autograd.grad passes of ``gradient_norms`` and fail there
     (DeepSpeed counts the hooks of a real backward); torch captures the hooks when the forward runs, so each is
     wrapped once here and asked at call time whether it may run."""
 
@@ -656,19 +656,45 @@ class _LeafReduction:
             self.held = False
 
 
-def gradient_ratio(terms: LossTerms, kl_weight: float, params: list[torch.nn.Parameter]) -> float:
-    """|lambda grad KL| / |grad policy term| over ``params``: whether the trust region acts (0.01-0.3 is a useful
-    band; 1e-5, the paper's numbers on our per-element KL, means it does nothing). Keeps the graph for the backward."""
+@dataclass(frozen=True)
+class GradientNorms:
+    """Root-mean-square over ranks of each rank's gradient norm of the policy term and of lambda x KL."""
 
-    def norm(value: torch.Tensor) -> float:
+    policy: float
+    kl: float
+
+    @property
+    def ratio(self) -> float:
+        """|lambda grad KL| / |grad policy term|: whether the trust region acts (0.01-0.3 is a useful band; 1e-5, the
+        paper's numbers on our per-element KL, means it does nothing)."""
+        return self.kl / self.policy if self.policy > 0 else float("nan")
+
+    @property
+    def policy_term_silent(self) -> bool:
+        """No policy gradient while the KL has one: every sample of this micro-step clipped or without advantage, so
+        another micro-step of the update tells more. (Both zero is the start of a run, or a measurement that cannot
+        see the gradients, where another micro-step would tell nothing.)"""
+        return self.policy == 0 and self.kl > 0
+
+
+def gradient_norms(terms: LossTerms, kl_weight: float, params: list[torch.nn.Parameter]) -> GradientNorms:
+    """The norms of the policy term's and of lambda x KL's gradients over ``params``, all-reduced over ranks (a rank
+    whose chunk has zero advantages does not make the ratio undefined). Keeps the graph for the backward."""
+
+    def squared_norm(value: torch.Tensor) -> float:
         if not value.requires_grad:
             return 0.0
         grads = torch.autograd.grad(value, params, retain_graph=True, allow_unused=True)
-        return float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads if g is not None)))
+        return float(sum((g.float() ** 2).sum() for g in grads if g is not None))
 
     # Both passes on every rank, whatever the first gives: under ZeRO-3 each fetches parameters collectively.
-    policy, kl = norm(terms.policy), norm(kl_weight * terms.kl)
-    return kl / policy if policy > 0 else float("nan")
+    squared = {"policy": squared_norm(terms.policy), "kl": squared_norm(kl_weight * terms.kl)}
+    means = distributed.all_reduce_mean(squared)
+    return GradientNorms(math.sqrt(means["policy"]), math.sqrt(means["kl"]))
+
+
+# Micro-steps of an update the kl_grad_ratio measurement tries before it reports NaN (each costs two backward passes).
+RATIO_ATTEMPTS = 3
 
 
 class Updater:
@@ -711,7 +737,7 @@ class Updater:
                 "micro_batch_size and build the engine with UpdateConfig.accumulation_steps"
             )
         totals, skipped = _Totals(), 0
-        measure = self._ratio_due()
+        measure = RATIO_ATTEMPTS if self._ratio_due() else 0
         bar = tqdm(
             total=sum(map(len, minibatches)),
             desc="update",
@@ -727,8 +753,9 @@ class Updater:
             for terms in self.losses(rollout, advantages, weights, micro_steps):
                 if measure:
                     with self._leaf_reduction.held_back():
-                        totals.kl_grad_ratio = gradient_ratio(terms, self.controller.value, self._trainable())
-                    measure = False
+                        norms = gradient_norms(terms, self.controller.value, self._trainable())
+                    totals.kl_grad_ratio = norms.ratio
+                    measure = measure - 1 if norms.policy_term_silent else 0  # all-reduced: the same on every rank
                 self.engine.backward(terms.loss)
                 self.engine.step()
                 minibatch.add(terms)
@@ -888,8 +915,8 @@ class Updater:
             metrics["ratio_min"], metrics["ratio_max"] = ratio_min, ratio_max
         else:  # this rank's largest |log pi_train - log pi_rollout| over the update
             metrics["logprob_mismatch"] = max(_log_distance(ratio_min), _log_distance(ratio_max))
-        if totals.kl_grad_ratio is not None:
-            metrics["kl_grad_ratio"] = distributed.all_reduce_mean({"r": totals.kl_grad_ratio})["r"]
+        if totals.kl_grad_ratio is not None:  # already over all ranks
+            metrics["kl_grad_ratio"] = totals.kl_grad_ratio
         metrics["lambda_kl"] = self.controller.value
         grad_norm = self.engine.get_global_grad_norm()
         metrics["grad_norm"] = float("nan") if grad_norm is None else float(grad_norm)

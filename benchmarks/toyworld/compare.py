@@ -38,7 +38,7 @@ from stages.update import (
     Updater,
     accumulation_steps,
     build_engine,
-    gradient_ratio,
+    gradient_norms,
     micro_step_loss,
 )
 
@@ -172,7 +172,7 @@ def _updater(adapter, config: Config, seed: int) -> Updater:
 
 
 def _kl_grad_ratio(updater: Updater, adapter, rollout, advantages) -> float:
-    """|lambda grad KL| / |grad policy term| on the update's first micro-step, as ``stages.update.gradient_ratio``
+    """|lambda grad KL| / |grad policy term| on the update's first micro-step, as ``stages.update.gradient_norms``
     measures it, but through a copy of the policy that DeepSpeed has not hooked (the reference means go through the
     engine without gradients, as ``Updater._reference_means`` computes them for the update)."""
     transition = updater._transitions(rollout)[0]
@@ -193,7 +193,7 @@ def _kl_grad_ratio(updater: Updater, adapter, rollout, advantages) -> float:
         clip_range=updater.config.clip_range,
         **references,
     )
-    return gradient_ratio(terms, updater.controller.value, [p for p in policy.parameters() if p.requires_grad])
+    return gradient_norms(terms, updater.controller.value, [p for p in policy.parameters() if p.requires_grad]).ratio
 
 
 def _mean(values) -> float:
