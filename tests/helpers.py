@@ -1,4 +1,5 @@
-"""What many tests need, in one place: a free loopback port, and waiting for a server process to answer HTTP."""
+"""What many tests need, in one place: a free loopback port, waiting for a server process to answer HTTP, launching
+torchrun workers, and a one-layer video model adapter for the update's loss path."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
+
+from core.models.base import PromptEmbeddings, VideoModelAdapter
 
 
 def free_port() -> int:
@@ -76,3 +81,33 @@ def torchrun(nproc: int, *target: str, timeout: int = 600) -> subprocess.Complet
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result
+
+
+class LinearAdapter(VideoModelAdapter):
+    """A one-layer "transformer" over the latent channels on ``device`` (``meta``: shapes and devices, no values)."""
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        torch.manual_seed(0)
+        self._device = torch.device(device)
+        self.transformer = torch.nn.Linear(2, 2, device=self._device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def encoder_identity(self) -> str:
+        return f"linear-{self._device.type}"
+
+    def encode_prompts(self, prompts):
+        return PromptEmbeddings({"text": torch.zeros(len(prompts), 3, device=self._device)})
+
+    def latent_shape(self):
+        return (2, 1, 2, 2)
+
+    def predict_velocity(self, latents, sigma, embeddings, *, module=None):
+        module = self.transformer if module is None else module
+        return module(latents.movedim(1, -1)).movedim(-1, 1) * sigma.view(-1, 1, 1, 1, 1)
+
+    def decode(self, latents):
+        raise AssertionError("not decoded")

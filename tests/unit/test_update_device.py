@@ -7,41 +7,13 @@ import pytest
 import torch
 
 from core.grpo import group_advantages
-from core.models.base import PromptEmbeddings, VideoModelAdapter
 from stages.rollout import SDEConfig, generate
 from stages.update import TrustRegionConfig, UpdateConfig, Updater
+from tests.helpers import LinearAdapter
 
 pytestmark = pytest.mark.unit
 
 META = torch.device("meta")
-
-
-class MetaAdapter(VideoModelAdapter):
-    """A one-layer "transformer" on the meta device: shapes and devices, no values."""
-
-    def __init__(self):
-        self.transformer = torch.nn.Linear(2, 2, device=META)
-
-    @property
-    def device(self) -> torch.device:
-        return META
-
-    @property
-    def encoder_identity(self) -> str:
-        return "meta"
-
-    def encode_prompts(self, prompts):
-        return PromptEmbeddings({"text": torch.zeros(len(prompts), 3, device=META)})
-
-    def latent_shape(self):
-        return (2, 1, 2, 2)
-
-    def predict_velocity(self, latents, sigma, embeddings, *, module=None):
-        module = self.transformer if module is None else module
-        return module(latents.movedim(1, -1)).movedim(-1, 1) * sigma.view(-1, 1, 1, 1, 1)
-
-    def decode(self, latents):
-        raise AssertionError("not decoded")
 
 
 class FakeEngine(torch.nn.Module):
@@ -60,7 +32,7 @@ class FakeEngine(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def meta_rollout():
-    adapter = MetaAdapter()
+    adapter = LinearAdapter(META)
     config = SDEConfig(variant="sage", eta=0.7, steps=3, shift=3.0)
     rollout = generate(adapter, ["a", "b"], 2, config, seed=0, batch_size=2, decode=False, progress=False)
     return adapter, rollout

@@ -7,41 +7,12 @@ import torch
 
 import stages.update as update_module
 from core.grpo import group_advantages
-from core.models.base import PromptEmbeddings, VideoModelAdapter
 from stages.anchor import Anchor
 from stages.rollout import SDEConfig, generate, score_transition
 from stages.update import TrustRegionConfig, UpdateConfig, Updater
+from tests.helpers import LinearAdapter
 
 pytestmark = pytest.mark.unit
-
-
-class LinearAdapter(VideoModelAdapter):
-    """A one-layer "transformer" over the channels, on the CPU."""
-
-    def __init__(self):
-        torch.manual_seed(0)
-        self.transformer = torch.nn.Linear(2, 2)
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    @property
-    def encoder_identity(self) -> str:
-        return "linear"
-
-    def encode_prompts(self, prompts):
-        return PromptEmbeddings({"text": torch.zeros(len(prompts), 3)})
-
-    def latent_shape(self):
-        return (2, 1, 2, 2)
-
-    def predict_velocity(self, latents, sigma, embeddings, *, module=None):
-        module = self.transformer if module is None else module
-        return module(latents.movedim(1, -1)).movedim(-1, 1) * sigma.view(-1, 1, 1, 1, 1)
-
-    def decode(self, latents):
-        raise AssertionError("not decoded")
 
 
 class SGDEngine(torch.nn.Module):
