@@ -94,6 +94,14 @@ def barrier() -> None:
         dist.barrier()
 
 
+def shutdown() -> None:
+    """Destroy the process group before the interpreter exits, as torch asks. Left to C++ static destructors at exit,
+    a rank that finished before the others could abort with "terminate called without an active exception" (exit
+    -6), and torchrun then fails a job whose training and checkpoints had completed."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def weights_fingerprint(module: torch.nn.Module) -> str:
     """sha256 over every parameter's full value, gathered one parameter at a time under ZeRO-3 (so never a whole
     model on one rank). Equal on every rank that holds the same weights; names exactly the weights a run produced."""

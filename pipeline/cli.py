@@ -448,7 +448,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
-        return args.handler(args)
+        code = args.handler(args)
     except UserError as error:
         print(f"sagegrpo: error: {error}", file=sys.stderr)
         return UserError.exit_code
@@ -460,6 +460,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("sagegrpo: interrupted", file=sys.stderr)
         return 130
+    _close_process_group()
+    return code
+
+
+def _close_process_group() -> None:
+    """After a command that completed (a preempted run included): every rank is past its last collective. Not on the
+    error paths above, where a peer may be gone and closing could wait on it."""
+    if "torch.distributed" in sys.modules:  # a command that never imported torch started no group
+        from core import distributed
+
+        distributed.shutdown()
 
 
 if __name__ == "__main__":
