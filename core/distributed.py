@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import tempfile
 from datetime import timedelta
@@ -67,6 +68,7 @@ def init(timeout_minutes: float = 30.0) -> None:
         rank=rank(),
         world_size=world_size(),
     )
+    atexit.register(shutdown)  # every entry point: the CLI, the test workers, the benchmarks
 
 
 def all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
@@ -95,7 +97,8 @@ def barrier() -> None:
 
 
 def shutdown() -> None:
-    """Destroy the process group before the interpreter exits, as torch asks. Left to C++ static destructors at exit,
+    """Destroy the process group before the interpreter exits, as torch asks (``init`` registers it to run at exit).
+    Left to C++ static destructors at exit,
     a rank that finished before the others could abort with "terminate called without an active exception" (exit
     -6), and torchrun then fails a job whose training and checkpoints had completed."""
     if dist.is_initialized():

@@ -460,17 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("sagegrpo: interrupted", file=sys.stderr)
         return 130
-    _close_process_group()
     return code
-
-
-def _close_process_group() -> None:
-    """After a command that completed (a preempted run included): every rank is past its last collective. Not on the
-    error paths above, where a peer may be gone and closing could wait on it."""
-    if "torch.distributed" in sys.modules:  # a command that never imported torch started no group
-        from core import distributed
-
-        distributed.shutdown()
 
 
 if __name__ == "__main__":
