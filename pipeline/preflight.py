@@ -27,6 +27,7 @@ import torch
 
 from core import distributed
 from pipeline.config import RunConfig, load_run_config
+from stages.update import RATIO_ATTEMPTS
 
 ON_POLICY_TOLERANCE = 1e-5
 KL_GRAD_RATIO_BAND = (0.01, 0.3)
@@ -154,13 +155,12 @@ def kl_ratio_check(metrics: dict[str, float], config: RunConfig) -> Check:
             "preflight with a ZeRO-3 config, the ratio does not depend on it",
         )
     ratio = metrics["update/kl_grad_ratio"]
-    if math.isnan(ratio) and distributed.world_size() > 1 and not config.lora.enabled:
-        # torch.autograd.grad sees zeros for parameters ZeRO-3 partitions across ranks (stages/update.py).
+    if math.isnan(ratio):  # the second update is on-policy, so nothing was clipped: no sample had an advantage
         return Check(
             "trust region acts",
-            None,
-            "not measurable for full fine-tuning on several ranks: run "
-            "preflight with one process (the ratio does not depend on scale)",
+            False,
+            f"no policy gradient on the {RATIO_ATTEMPTS} micro-steps measured: every sample's advantage was 0 or "
+            "its loss NaN (do the rewards differ within a group?)",
         )
     low, high = KL_GRAD_RATIO_BAND
     return Check(

@@ -67,10 +67,12 @@ def test_velocity_kl_and_gradient_ratio_under_zero3(scenario):
     for report in reports[2]:
         history = report["history"]
         assert history[0]["velocity_kl"] == 0.0 and history[1]["velocity_kl"] > 0
-        if kind == "lora":
-            assert history[0]["kl_grad_ratio"] == 0.0 and history[1]["kl_grad_ratio"] > 0
-        # Full fine-tuning with parameters partitioned over 2 ranks: DeepSpeed's ZeRO-3 gradient hooks hand
-        # torch.autograd.grad zeros, so the ratio is reported as NaN (never a misleading 0); known limitation.
+        # The measurement sees both gradients through ZeRO-3's partitioned parameters, LoRA and full fine-tuning
+        # alike: a policy gradient and no KL yet on the first update, both on a later one. (This worker reuses one
+        # rollout at lr 1e-3 with clip range 1e-4, so a later update can clip every measured sample: NaN there is a
+        # policy term without gradient beside a KL term with one, on 1 rank as on 2.)
+        assert history[0]["kl_grad_ratio"] == 0.0
+        assert any(h["kl_grad_ratio"] > 0 for h in history[1:]), [h["kl_grad_ratio"] for h in history]
         # Update 4 is skipped: the lagged copy stays one applied update behind, so update 5 still sees a KL.
         assert history[4]["velocity_kl"] > 0
 
