@@ -54,27 +54,14 @@ GROUP = 2
 def compute_bound_hunyuan15():
     """The tiny pipeline (encoders, VAE) with a wider, deeper HunyuanVideo 1.5 transformer at 64x64: 6.1M weights,
     3 x 16 x 16 = 768 video tokens, so a micro-step's time is the model's, not Python's."""
-    from diffusers import HunyuanVideo15Transformer3DModel
-
-    adapter = tiny_hunyuan15(seed=0, height=64, width=64, num_frames=5)
-    torch.manual_seed(0)
-    transformer = HunyuanVideo15Transformer3DModel(
-        in_channels=9,
-        out_channels=4,
-        num_attention_heads=4,
-        attention_head_dim=32,
-        num_layers=2,
-        num_refiner_layers=1,
-        mlp_ratio=4.0,
-        text_embed_dim=16,
-        text_embed_2_dim=32,
-        image_embed_dim=12,
-        rope_axes_dim=(8, 12, 12),
-        target_size=16,
-        task_type="t2v",
-    )
-    adapter.pipeline.transformer = adapter.transformer = transformer.eval()
-    return adapter
+    transformer = {
+        "num_attention_heads": 4,
+        "attention_head_dim": 32,
+        "num_layers": 2,
+        "mlp_ratio": 4.0,
+        "rope_axes_dim": (8, 12, 12),
+    }
+    return tiny_hunyuan15(seed=0, height=64, width=64, num_frames=5, transformer=transformer)
 
 
 @dataclass(frozen=True)

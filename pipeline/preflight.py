@@ -203,7 +203,8 @@ def time_check(metrics: dict[str, float], config: RunConfig) -> Check:
     projected = f"projected {hours:.2f} h for {config.run.max_iterations} iterations"
     if gpus:
         projected += f", {hours * gpus:.1f} GPU-hours on {gpus} GPU(s)"
-    return Check("time", True, f"{seconds:.2f}s per iteration ({stages}); {projected}")
+    mfu = f"; MFU {metrics['mfu']:.1%}" if "mfu" in metrics else ""  # on a GPU of known peak
+    return Check("time", True, f"{seconds:.2f}s per iteration ({stages}{mfu}); {projected}")
 
 
 def table(checks: list[Check]) -> str:

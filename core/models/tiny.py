@@ -7,6 +7,8 @@ transformer call takes a few milliseconds on a CPU.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from diffusers import (
     AutoencoderKLHunyuanVideo15,
@@ -53,25 +55,36 @@ def tiny_qwen2_tokenizer() -> Qwen2Tokenizer:
 
 
 def tiny_hunyuan15_pipeline(
-    seed: int = 0, *, prompt_tokens: int = 32, glyph_tokens: int = 8, image_tokens: int = 4
+    seed: int = 0,
+    *,
+    prompt_tokens: int = 32,
+    glyph_tokens: int = 8,
+    image_tokens: int = 4,
+    transformer: dict[str, Any] | None = None,
 ) -> HunyuanVideo15Pipeline:
-    """HunyuanVideo15Pipeline with toy components and sequences shortened to the given token counts."""
+    """HunyuanVideo15Pipeline with toy components and sequences shortened to the given token counts.
+
+    ``transformer`` overrides entries of the transformer's config, by diffusers' names (``num_attention_heads``,
+    ``attention_head_dim``, ``num_layers``, ``mlp_ratio``, ``rope_axes_dim`` summing to the head dim): a transformer
+    as wide and deep as a benchmark needs, between the same cheap encoders and VAE."""
     torch.manual_seed(seed)
-    transformer = HunyuanVideo15Transformer3DModel(
-        in_channels=9,  # 4 latent + 4 condition latent + 1 mask channels
-        out_channels=4,
-        num_attention_heads=2,
-        attention_head_dim=8,
-        num_layers=1,
-        num_refiner_layers=1,
-        mlp_ratio=2.0,
-        text_embed_dim=16,
-        text_embed_2_dim=32,
-        image_embed_dim=12,
-        rope_axes_dim=(2, 2, 4),
-        target_size=16,
-        task_type="t2v",
-    )
+    config = {
+        "in_channels": 9,  # 4 latent + 4 condition latent + 1 mask channels
+        "out_channels": 4,
+        "num_attention_heads": 2,
+        "attention_head_dim": 8,
+        "num_layers": 1,
+        "num_refiner_layers": 1,
+        "mlp_ratio": 2.0,
+        "text_embed_dim": 16,
+        "text_embed_2_dim": 32,
+        "image_embed_dim": 12,
+        "rope_axes_dim": (2, 2, 4),
+        "target_size": 16,
+        "task_type": "t2v",
+    } | (transformer or {})
+    config["rope_axes_dim"] = tuple(config["rope_axes_dim"])  # a YAML list
+    transformer = HunyuanVideo15Transformer3DModel(**config)
     vae = AutoencoderKLHunyuanVideo15(
         latent_channels=4,
         block_out_channels=(16, 16),
@@ -134,9 +147,11 @@ def tiny_hunyuan15(
     num_frames: int = 5,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    transformer: dict[str, Any] | None = None,
 ) -> HunyuanVideo15Adapter:
-    """Tiny HunyuanVideo 1.5: latents [4, 3, 8, 8], videos of 5 frames at 32x32 by default."""
-    pipeline = tiny_hunyuan15_pipeline(seed).to(device=device, dtype=dtype)
+    """Tiny HunyuanVideo 1.5: latents [4, 3, 8, 8], videos of 5 frames at 32x32 by default; ``transformer``
+    overrides the transformer's config (``tiny_hunyuan15_pipeline``)."""
+    pipeline = tiny_hunyuan15_pipeline(seed, transformer=transformer).to(device=device, dtype=dtype)
     return HunyuanVideo15Adapter(
         pipeline,
         guidance_scale=guidance_scale,

@@ -26,6 +26,21 @@ def transformer_batch_sizes(adapter):
     return sizes, handle
 
 
+def test_a_sized_tiny_hunyuan_keeps_its_encoders_and_takes_the_transformer_config_from_the_model_section():
+    # What the GPU check and the compute-bound benchmark run: model.kwargs.transformer, as YAML gives it (a list).
+    sized = {"num_attention_heads": 4, "attention_head_dim": 16, "num_layers": 3, "rope_axes_dim": [4, 6, 6]}
+    adapter = build_adapter("tiny-hunyuan15", guidance_scale=1.0, height=64, width=64, transformer=sized)
+    tiny = tiny_hunyuan15()
+    config = adapter.transformer.config
+
+    assert (config.num_attention_heads, config.attention_head_dim, config.num_layers) == (4, 16, 3)
+    assert len(adapter.transformer.transformer_blocks) == 3 and tuple(config.rope_axes_dim) == (4, 6, 6)
+    assert adapter.encoder_identity == tiny.encoder_identity  # same encoders: embedding caches stay valid
+    latents = torch.randn(1, *adapter.latent_shape())
+    velocity = adapter.predict_velocity(latents, torch.full((1,), 0.5), adapter.encode_prompts(PROMPTS[:1]))
+    assert velocity.shape == latents.shape == (1, 4, 3, 16, 16) and torch.isfinite(velocity).all()
+
+
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_tiny_models_build_offline_and_round_trip_shapes(name):
     adapter = build_adapter(name, guidance_scale=1.0)

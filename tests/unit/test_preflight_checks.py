@@ -4,7 +4,7 @@ runs the whole command; these pin what each measured value is reported as)."""
 import pytest
 
 from pipeline.config import load_run_config
-from pipeline.preflight import KL_GRAD_RATIO_BAND, kl_ratio_check
+from pipeline.preflight import KL_GRAD_RATIO_BAND, kl_ratio_check, time_check
 
 pytestmark = pytest.mark.unit
 
@@ -33,3 +33,12 @@ def test_unmeasured_is_not_applicable():
     config = load_run_config(DEMO, ["trust_region.strategy=none"])
     assert kl_ratio_check({}, config).passed is None
     assert kl_ratio_check({}, load_run_config(DEMO)).passed is None  # below ZeRO-3: not measured
+
+
+def test_the_time_check_projects_the_run_and_reports_mfu_where_measured():
+    config = load_run_config(DEMO)  # 8 iterations
+    stages = {"time/rollout": 1.0, "time/score": 0.5, "time/update": 2.5, "time/iteration": 4.5}
+    without = time_check(stages, config)
+    assert "4.50s per iteration" in without.detail and "projected 0.01 h for 8 iterations" in without.detail
+    assert "MFU" not in without.detail  # off a GPU of known peak the recipe reports none
+    assert "MFU 12.5%" in time_check(stages | {"mfu": 0.125}, config).detail
