@@ -5,6 +5,7 @@ Pure tensor math with no I/O and no global state (``shared/spec/sage-grpo.md`` s
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
@@ -120,6 +121,23 @@ class KLFeedback(str, Enum):
 
     TOWARD_TARGET = "toward_target"
     AS_WRITTEN = "as_written"
+
+
+def kl_grad_ratio_reach(
+    ratio: float, kl: float, weight: float, *, target: float, weights: tuple[float, float]
+) -> tuple[float, float]:
+    """The range of |lambda grad KL| / |grad policy| that an ``AdaptiveKLController`` can produce at its KL
+    ``target``, projected from one measurement: ``ratio`` at KL ``kl`` under weight ``weight``.
+
+    The KL gradient is the mean offset in std units, sqrt(2 KL), times lambda, so the ratio scales by
+    lambda / weight and sqrt(target / kl); ``weights`` is lambda's range (``initial``, ``maximum``). One micro-step's
+    ratio is noisy (it varies ~100x around this law on the tiny model), so the reach is good for orders of
+    magnitude, not digits: enough to tell a trust region that can act from one that is inert by construction.
+    """
+    if not (kl > 0 and weight > 0 and target > 0):
+        raise ValueError(f"need kl, weight and target > 0, got {kl}, {weight}, {target}")
+    per_weight = ratio / weight * math.sqrt(target / kl)
+    return per_weight * weights[0], per_weight * weights[1]
 
 
 class AdaptiveKLController:

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from core import grpo
 from core.grpo import (
     AdaptiveKLController,
     KLFeedback,
@@ -161,3 +162,13 @@ def test_controller_save_load_round_trip_continues_identically():
     restored = AdaptiveKLController(warmup_steps=20, history=10)
     restored.load_state_dict(original.state_dict())
     assert [original.update(kl) for kl in measurements[30:]] == [restored.update(kl) for kl in measurements[30:]]
+
+
+def test_kl_grad_ratio_reach_scales_with_lambda_and_the_root_of_kl():
+    # 0.01 at KL 1e-4 under lambda 0.1: at KL 1e-3 the gradient is sqrt(10) larger; lambda 0.1..10 spans 100x.
+    low, high = grpo.kl_grad_ratio_reach(0.01, 1e-4, 0.1, target=1e-3, weights=(0.1, 10.0))
+    assert low == pytest.approx(0.01 * math.sqrt(10)) and high == pytest.approx(100 * low)
+    # Measured at the target with lambda at its minimum: the reach starts at the measurement itself.
+    assert grpo.kl_grad_ratio_reach(0.05, 1e-3, 0.1, target=1e-3, weights=(0.1, 10.0))[0] == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="kl"):
+        grpo.kl_grad_ratio_reach(0.05, 0.0, 0.1, target=1e-3, weights=(0.1, 10.0))
