@@ -463,5 +463,16 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def program() -> int:
+    """``sagegrpo`` as a program (the console script, ``python -m pipeline.cli``): ``main``, then a launched rank's
+    process ends through ``core.distributed.exit_launched``."""
+    code = main()
+    if "torch.distributed" not in sys.modules:  # --help, config, plan: no process group, and no torch to import
+        return code
+    from core import distributed
+
+    return distributed.exit_launched(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(program())

@@ -72,3 +72,38 @@ def test_a_stop_signal_reaches_the_workers_and_asks_for_a_restart(tmp_path):
     output, _ = launcher.communicate(timeout=2 * TORCHRUN_SHUTDOWN_TIMEOUT + 60)
     assert launcher.returncode == RETRYABLE_EXIT_CODE, output
     assert "SIGUSR1" in output
+
+
+# A rank ending through core.distributed.exit_launched, as `python -m pipeline.cli` does after its command.
+EXITING_WORKER = """
+import atexit, logging, sys
+from core import distributed
+distributed.init()
+out = sys.argv[1]
+logging.basicConfig(filename=f"{out}/log{distributed.rank()}", level=logging.INFO)
+logging.getLogger("worker").info("logged before the end")
+sys.stdout.write(f"rank {distributed.rank()} wrote this without a newline or a flush")
+atexit.register(lambda: open(f"{out}/teardown-ran", "w").close())
+sys.exit(distributed.exit_launched(3))
+"""
+
+
+def test_a_launched_rank_ends_with_its_status_and_its_output_flushed_without_the_teardown(tmp_path):
+    script = tmp_path / "exiting.py"
+    script.write_text(EXITING_WORKER)
+    command = [
+        sys.executable,
+        "-m",
+        "pipeline.launch",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(script),
+        str(tmp_path),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 3, result.stdout + result.stderr[-3000:]  # the ranks' own status, through torchrun
+    for rank in (0, 1):
+        assert "logged before the end" in (tmp_path / f"log{rank}").read_text()
+        assert f"rank {rank} wrote this without a newline or a flush" in result.stdout + result.stderr
+    assert not (tmp_path / "teardown-ran").exists()  # atexit hooks (and C++ teardown) skipped: os._exit

@@ -128,3 +128,10 @@ def test_schedule_takes_the_config_like_the_other_commands(monkeypatch, argv):
     monkeypatch.setattr(schedule, "run_schedule", lambda options: seen.append(options) or 0)
     assert cli.main(argv) == 0
     assert (seen[0].config, seen[0].overrides, seen[0].model) == (DEMO, ("seed=3",), "m")
+
+
+def test_the_program_returns_the_commands_status_in_a_single_process(monkeypatch, capsys):
+    # No process group of several ranks: a normal return, every atexit hook to come; only launched ranks _exit.
+    monkeypatch.setattr(sys, "argv", ["sagegrpo", "config", DEMO, "sde.steps=0"])
+    assert cli.program() == 2
+    assert "sde.steps" in capsys.readouterr().err
