@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -74,3 +75,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.exit(distributed.exit_launched(0))

@@ -5,6 +5,7 @@ collectives); rank 0 also writes each model's weights as DeepSpeed itself gather
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -65,3 +66,4 @@ def _gathered_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 if __name__ == "__main__":
     main()
+    sys.exit(distributed.exit_launched(0))

@@ -81,3 +81,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.exit(distributed.exit_launched(0))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -104,3 +105,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.exit(distributed.exit_launched(0))
