@@ -100,7 +100,7 @@ def barrier() -> None:
 
 def shutdown() -> None:
     """Destroy the process group before the interpreter exits, as torch asks (``init`` registers it to run at exit).
-    Not enough on its own to end a launched rank cleanly: its gloo threads outlive it (``exit_launched``)."""
+    Not enough on its own to end a launched rank cleanly: gloo's threads outlive it (``exit_launched``)."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -109,11 +109,14 @@ def exit_launched(code: int) -> int:
     """End a rank of a multi-process run with ``code`` once its output is flushed, skipping the interpreter's
     teardown; a single process just gets ``code`` back.
 
-    Deliberately by hand: with the process group destroyed, torch's gloo threads still run (its C++ state outlives
-    ``destroy_process_group``), and tearing that down at exit sometimes aborts a rank whose run had completed
-    ("terminate called without an active exception", exit -6: seen in clean-clone CI after ``shutdown`` ran, in a
-    two-node run and a 2-rank checkpoint test). torchrun then fails the job, and its agents wait out their exit
-    barrier. Everything a run writes is closed by then (checkpoints committed, the MLflow run ended)."""
+    Deliberately by hand. gloo's worker threads outlive ``destroy_process_group`` and can still be finishing an async
+    all-gather (ZeRO-3's) when the interpreter finalizes: freeing that work's tensor needs the GIL, and Python 3.11
+    answers a thread that asks for the GIL during finalization with ``pthread_exit``, whose forced unwind through
+    gloo's run loop calls ``std::terminate``. The rank, its run complete, aborts ("terminate called without an
+    active exception", exit -6; core dump: ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllgatherWork`` ->
+    ``THPVariable_dealloc`` -> ``take_gil`` -> ``PyThread_exit_thread``), torchrun fails the job and its agents
+    wait out their exit barrier. ``os._exit`` never finalizes. Everything a run writes is closed by then
+    (checkpoints committed, the MLflow run ended)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return code
     shutdown()
