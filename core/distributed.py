@@ -106,8 +106,8 @@ def shutdown() -> None:
 
 
 def exit_launched(code: int) -> int:
-    """End a rank of a multi-process run with ``code`` once its output is flushed, skipping the interpreter's
-    teardown; a single process just gets ``code`` back.
+    """End a process that holds a process group (any world size: ZeRO-3 gathers through gloo on one rank too) with
+    ``code`` once its output is flushed, skipping the interpreter's teardown; without one, ``code`` comes back.
 
     Deliberately by hand. gloo's worker threads outlive ``destroy_process_group`` and can still be finishing an async
     all-gather (ZeRO-3's) when the interpreter finalizes: freeing that work's tensor needs the GIL, and Python 3.11
@@ -117,7 +117,7 @@ def exit_launched(code: int) -> int:
     ``THPVariable_dealloc`` -> ``take_gil`` -> ``PyThread_exit_thread``), torchrun fails the job and its agents
     wait out their exit barrier. ``os._exit`` never finalizes. Everything a run writes is closed by then
     (checkpoints committed, the MLflow run ended)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if not dist.is_initialized():
         return code
     shutdown()
     logging.shutdown()

@@ -464,8 +464,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def program() -> int:
-    """``sagegrpo`` as a program (the console script, ``python -m pipeline.cli``): ``main``, then a launched rank's
-    process ends through ``core.distributed.exit_launched``."""
+    """``sagegrpo`` as a program (the console script, ``python -m pipeline.cli``): ``main``, then a process that
+    started a process group ends through ``core.distributed.exit_launched``."""
     code = main()
     if "torch.distributed" not in sys.modules:  # --help, config, plan: no process group, and no torch to import
         return code

@@ -131,7 +131,7 @@ def test_schedule_takes_the_config_like_the_other_commands(monkeypatch, argv):
 
 
 def test_the_program_returns_the_commands_status_in_a_single_process(monkeypatch, capsys):
-    # No process group of several ranks: a normal return, every atexit hook to come; only launched ranks _exit.
+    # No process group (config never starts one): a normal return, every atexit hook to come.
     monkeypatch.setattr(sys, "argv", ["sagegrpo", "config", DEMO, "sde.steps=0"])
     assert cli.program() == 2
     assert "sde.steps" in capsys.readouterr().err
