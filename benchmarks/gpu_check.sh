@@ -25,7 +25,7 @@ if [ -d .whl ]; then
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-sagegrpo() { python3 -m pipeline.cli "$@"; }
+sagegrpo=(python3 -m pipeline.cli)  # the checkout itself, installed or not (timeout runs programs, not functions)
 
 step() {  # step NAME SECONDS COMMAND...: its output to NAME.log, the last lines shown, its status and time kept
     local name=$1 limit=$2 started=$SECONDS status
@@ -44,11 +44,11 @@ SIZED=(
     "model.kwargs.transformer.rope_axes_dim=[16,56,56]"
 )
 
-step env 45 sagegrpo env
-step preflight-tiny 100 sagegrpo preflight configs/demo.yaml
-step preflight-sized 120 sagegrpo preflight configs/demo.yaml "${SIZED[@]}"
-step demo 120 sagegrpo run configs/demo.yaml "run.output_dir=$runs/demo" --fresh-start
-step demo-lora 75 sagegrpo run configs/demo.yaml lora.enabled=true run.max_iterations=2 eval.every=0 \
+step env 45 "${sagegrpo[@]}" env
+step preflight-tiny 100 "${sagegrpo[@]}" preflight configs/demo.yaml
+step preflight-sized 120 "${sagegrpo[@]}" preflight configs/demo.yaml "${SIZED[@]}"
+step demo 120 "${sagegrpo[@]}" run configs/demo.yaml "run.output_dir=$runs/demo" --fresh-start
+step demo-lora 75 "${sagegrpo[@]}" run configs/demo.yaml lora.enabled=true run.max_iterations=2 eval.every=0 \
     "run.output_dir=$runs/demo-lora" --fresh-start
 step unit 75 python3 -m pytest tests/unit -m unit -q -p no:cacheprovider -n 14 --timeout 60
 
