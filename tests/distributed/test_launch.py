@@ -33,20 +33,20 @@ if mode == "wait":
 """
 
 
-def _launch(tmp_path: Path, mode: str, *extra: str) -> subprocess.Popen:
+def _launch(tmp_path: Path, *worker_args: str, source: str = WORKER, launcher_args=()) -> subprocess.Popen:
+    """Two ranks of the worker ``source`` under pipeline.launch; their output and the launcher's in one stream."""
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    script.write_text(source)
     command = [
         sys.executable,
         "-m",
         "pipeline.launch",
-        *extra,
+        *launcher_args,
         "--standalone",
         "--nproc-per-node=2",
         "--signals-to-handle=SIGTERM,SIGUSR1",
         str(script),
-        mode,
-        str(tmp_path),
+        *worker_args,
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -54,13 +54,13 @@ def _launch(tmp_path: Path, mode: str, *extra: str) -> subprocess.Popen:
 
 @pytest.mark.parametrize("mode, expected", [("stop-rank-1", 143), ("user-error", 2)])
 def test_worker_status_becomes_the_launcher_status(tmp_path, mode, expected):
-    launcher = _launch(tmp_path, mode, "--retry-exit-code=143")
+    launcher = _launch(tmp_path, mode, str(tmp_path), launcher_args=["--retry-exit-code=143"])
     output, _ = launcher.communicate(timeout=60)
     assert launcher.returncode == expected, output
 
 
 def test_a_stop_signal_reaches_the_workers_and_asks_for_a_restart(tmp_path):
-    launcher = _launch(tmp_path, "wait")
+    launcher = _launch(tmp_path, "wait", str(tmp_path))
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"ready{rank}").exists() for rank in (0, 1)):
         assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()[0]
@@ -89,21 +89,10 @@ sys.exit(distributed.exit_launched(3))
 
 
 def test_a_launched_rank_ends_with_its_status_and_its_output_flushed_without_the_teardown(tmp_path):
-    script = tmp_path / "exiting.py"
-    script.write_text(EXITING_WORKER)
-    command = [
-        sys.executable,
-        "-m",
-        "pipeline.launch",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(script),
-        str(tmp_path),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 3, result.stdout + result.stderr[-3000:]  # the ranks' own status, through torchrun
+    launcher = _launch(tmp_path, str(tmp_path), source=EXITING_WORKER)
+    output, _ = launcher.communicate(timeout=300)
+    assert launcher.returncode == 3, output[-3000:]  # the ranks' own status, through torchrun
     for rank in (0, 1):
         assert "logged before the end" in (tmp_path / f"log{rank}").read_text()
-        assert f"rank {rank} wrote this without a newline or a flush" in result.stdout + result.stderr
+        assert f"rank {rank} wrote this without a newline or a flush" in output
     assert not (tmp_path / "teardown-ran").exists()  # atexit hooks (and C++ teardown) skipped: os._exit
