@@ -130,8 +130,14 @@ def test_schedule_takes_the_config_like_the_other_commands(monkeypatch, argv):
     assert (seen[0].config, seen[0].overrides, seen[0].model) == (DEMO, ("seed=3",), "m")
 
 
-def test_the_program_returns_the_commands_status_in_a_single_process(monkeypatch, capsys):
-    # No process group (config never starts one): a normal return, every atexit hook to come.
-    monkeypatch.setattr(sys, "argv", ["sagegrpo", "config", DEMO, "sde.steps=0"])
-    assert cli.program() == 2
-    assert "sde.steps" in capsys.readouterr().err
+def test_the_program_returns_the_commands_status_in_a_single_process():
+    # No process group (config never starts one): a normal return, every atexit hook to come. Its own process: a
+    # pytest worker may hold a process group an earlier test started, and there the program would end the worker.
+    probe = (
+        "import atexit, sys; from pipeline import cli; atexit.register(print, 'atexit hook ran'); "
+        f"sys.argv = ['sagegrpo', 'config', {DEMO!r}, 'sde.steps=0']; sys.exit(cli.program())"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "sde.steps" in result.stderr
+    assert result.stdout.strip().endswith("atexit hook ran")
