@@ -16,11 +16,18 @@ A lock held by a live process here that has gone quiet as long is a stuck build:
 (removing that lock would let the stuck process delete a later holder's lock when it ends).
 Waiting for a live build says what it waits for, once.
 
-``prebuild_ops`` builds the ops at set-up (``scripts/setup.sh``), so no training run builds them.
+``prebuild_ops`` builds the ops at set-up (``scripts/setup.sh``), so no training run builds them. A built op can
+still be stale for this environment: torch's build rules hold the include paths of the environment that built it,
+so a second environment sharing the cache (another venv, a clean clone's) rebuilds it for its own paths, and the
+first environment's next run would rebuild it back in the middle of that run. So set-up records, in the
+environment, each op's build rules as it last loaded them, and loads the ops again (torch's ninja build rebuilds
+only what changed) whenever the cache no longer holds those rules.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import sys
@@ -34,6 +41,8 @@ log = logging.getLogger(__name__)
 STALE_AFTER_S = 300.0
 # The CPU ops DeepSpeed loads in this project, by build folder: communication (every run), Adam (optimizer offload).
 CPU_OPS = {"deepspeed_shm_comm": "ShareMemCommBuilder", "cpu_adam": "CPUAdamBuilder"}
+# In the environment (sys.prefix): each op's build rules as this environment's set-up last loaded them.
+STAMP_NAME = ".sage-grpo-deepspeed-ops.json"
 
 
 def extensions_root() -> Path:
@@ -137,23 +146,54 @@ def _local_holders(lock: Path) -> list[int]:
     return holders
 
 
-def prebuild_ops() -> None:
-    """Build the CPU ops DeepSpeed uses here, skipping those already built (without importing DeepSpeed when all
-    are); nothing to do on other accelerators, whose images build their ops at install time (see the Dockerfile)."""
+def prebuild_ops(stamp: Path | None = None) -> None:
+    """Build the CPU ops DeepSpeed uses here, or rebuild those another environment rebuilt since (see the module
+    docstring), through DeepSpeed's own loader; skipped without importing DeepSpeed when ``stamp`` (default: in this
+    environment, ``sys.prefix``) matches the cache. Nothing to do on other accelerators, whose images build their ops
+    at install time (see the Dockerfile)."""
     root = extensions_root()
     if root.is_dir():
         clear_stale_locks(root)
-    missing = [name for name in CPU_OPS if not any((root / name).glob(f"{name}*.so"))]
-    if not missing:
-        print(f"DeepSpeed CPU ops already built in {root}")
+    stamp = Path(sys.prefix) / STAMP_NAME if stamp is None else stamp
+    if _recorded(stamp) == build_rules(root):
+        print(f"DeepSpeed CPU ops already built for this environment in {root}")
         return
+    if not _load_ops(root):
+        return
+    try:
+        stamp.write_text(json.dumps(build_rules(root), sort_keys=True))
+    except OSError as error:  # a read-only environment: the next set-up loads the ops again, which is only slower
+        log.warning("could not record the DeepSpeed op build in %s (%s)", stamp, error)
+
+
+def build_rules(root: Path) -> dict[str, str | None]:
+    """Each op's build rules (sha256 of torch's ``build.ninja``, which names the include paths of the environment
+    that built it), or None where the op is not built."""
+    rules: dict[str, str | None] = {}
+    for name in CPU_OPS:
+        ninja = root / name / "build.ninja"
+        built = ninja.is_file() and any((root / name).glob(f"{name}*.so"))
+        rules[name] = hashlib.sha256(ninja.read_bytes()).hexdigest() if built else None
+    return rules
+
+
+def _recorded(stamp: Path) -> dict | None:
+    try:
+        return json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _load_ops(root: Path) -> bool:
+    """Load every op through DeepSpeed (torch builds what is missing or stale); False off a CPU accelerator."""
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() != "cpu":
-        return
-    for name in missing:
+        return False
+    for name in CPU_OPS:
         builder = get_accelerator().create_op_builder(CPU_OPS[name])
         if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-            print(f"DeepSpeed op {name}: building in {root / name} (a minute or two, once)", flush=True)
+            print(f"DeepSpeed op {name}: loading from {root / name}, built or rebuilt there if needed", flush=True)
             builder.load(verbose=False)
+    return True

@@ -3,6 +3,7 @@
 Everything happens in a temporary TORCH_EXTENSIONS_DIR: the real op cache is never touched.
 """
 
+import json
 import logging
 import os
 import subprocess
@@ -12,8 +13,9 @@ import time
 import pytest
 from torch.utils import file_baton
 
+from core import ops_cache
 from core.errors import UserError
-from core.ops_cache import clear_stale_locks, extensions_root, prebuild_ops
+from core.ops_cache import CPU_OPS, build_rules, clear_stale_locks, extensions_root, prebuild_ops
 
 pytestmark = pytest.mark.unit
 
@@ -112,16 +114,57 @@ def test_a_recent_lock_without_a_holder_here_is_taken_over_once_quiet(extensions
     assert time.time() - last_write > 1.0  # not taken over before the folder had been quiet for the bound
 
 
-def test_prebuild_skips_built_ops_and_clears_their_stale_locks(extensions, capsys, monkeypatch):
+def built_op(root, name, rules="include /env-a/torch/include"):
+    """An op folder as torch's build leaves it: its build rules (naming the environment's include paths) and the .so."""
+    (root / name).mkdir(exist_ok=True)
+    (root / name / "build.ninja").write_text(rules)
+    (root / name / f"{name}.so").write_text("")
+
+
+def test_prebuild_skips_ops_built_for_this_environment_and_clears_their_stale_locks(
+    extensions, tmp_path, capsys, monkeypatch
+):
+    for name in CPU_OPS:
+        built_op(extensions, name)
+    stamp = tmp_path / "stamp.json"
+    stamp.write_text(json.dumps(build_rules(extensions)))
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # built ops need no DeepSpeed import (setup stays fast)
-    (extensions / "cpu_adam").mkdir()
-    (extensions / "cpu_adam" / "cpu_adam.so").write_text("")
-    (extensions / "deepspeed_shm_comm").mkdir()
-    (extensions / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_text("")
     lock = extensions / "deepspeed_shm_comm" / "lock"
     lock.write_text("")
-    for path in (lock, lock.parent, lock.parent / "deepspeed_shm_comm.so"):
+    for path in (lock.parent, *lock.parent.iterdir()):
         os.utime(path, (HOUR_AGO, HOUR_AGO))
-    prebuild_ops()
+    prebuild_ops(stamp)
     assert not lock.exists()
-    assert "already built" in capsys.readouterr().out
+    assert "already built for this environment" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("since", ["another environment rebuilt an op", "no set-up here yet", "an op was deleted"])
+def test_prebuild_loads_the_ops_again_when_the_cache_no_longer_holds_this_environments_build(
+    extensions, tmp_path, monkeypatch, since
+):
+    """A second venv sharing the cache rebuilds an op for its own include paths; without loading again at set-up,
+    this environment's next training run would rebuild it back mid-run (minutes, on every alternation)."""
+    for name in CPU_OPS:
+        built_op(extensions, name)
+    stamp = tmp_path / "stamp.json"
+    stamp.write_text(json.dumps(build_rules(extensions)))
+    if since == "another environment rebuilt an op":
+        built_op(extensions, "deepspeed_shm_comm", rules="include /env-b/torch/include")
+    elif since == "no set-up here yet":
+        stamp.unlink()
+    else:
+        (extensions / "cpu_adam" / "cpu_adam.so").unlink()
+    loads = []
+
+    def load(root):  # what DeepSpeed's loader leaves: every op built with this environment's rules
+        loads.append(root)
+        for name in CPU_OPS:
+            built_op(root, name)
+        return True
+
+    monkeypatch.setattr(ops_cache, "_load_ops", load)
+    prebuild_ops(stamp)
+    assert loads == [extensions]
+    assert json.loads(stamp.read_text()) == build_rules(extensions)
+    prebuild_ops(stamp)  # recorded: the next set-up skips
+    assert loads == [extensions]
