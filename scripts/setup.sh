@@ -26,5 +26,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 # DeepSpeed builds its CPU ops on first use. Build them here, once, rather than inside a training run: a run killed
 # mid-build leaves a lock that stalls every later run (core/ops_cache.py also clears such a stale lock). Skipped,
-# without importing DeepSpeed, when they are built.
+# without importing DeepSpeed, when this environment built them; rebuilt when another environment sharing the
+# cache rebuilt them for its own paths since.
 .venv/bin/python -c "from core.ops_cache import prebuild_ops; prebuild_ops()"

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from tests.integration.pipeline_runs import DEMO, REPO, SHORT, environment, run_sagegrpo
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
