@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec .venv/bin/python -m pytest -n auto --dist loadfile --no-loadscope-reorder "$@"
+exec .venv/bin/python -m pytest -n auto --dist loadfile "$@"
