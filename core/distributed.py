@@ -44,9 +44,11 @@ def init(timeout_minutes: float = 30.0) -> None:
         return
     import deepspeed
 
-    from core.ops_cache import clear_stale_locks
+    from core.ops_cache import clear_stale_locks, use_this_environments_ninja
 
-    # DeepSpeed loads (or JIT-builds) its ops here; a lock left by a process killed mid-build would hang every rank.
+    # DeepSpeed loads (or JIT-builds) its ops here; a lock left by a process killed mid-build would hang every rank,
+    # and another environment's ninja would rebuild them.
+    use_this_environments_ninja()
     clear_stale_locks()
     launched = "WORLD_SIZE" in os.environ  # torchrun, the deepspeed launcher, Slurm's srun wrappers set it
     # A single process rendezvouses through a file, not a TCP port: a free port found now can be taken by any other

@@ -6,6 +6,7 @@ Everything happens in a temporary TORCH_EXTENSIONS_DIR: the real op cache is nev
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,7 +16,14 @@ from torch.utils import file_baton
 
 from core import ops_cache
 from core.errors import UserError
-from core.ops_cache import CPU_OPS, build_rules, clear_stale_locks, extensions_root, prebuild_ops
+from core.ops_cache import (
+    CPU_OPS,
+    build_rules,
+    clear_stale_locks,
+    extensions_root,
+    prebuild_ops,
+    use_this_environments_ninja,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -168,3 +176,36 @@ def test_prebuild_loads_the_ops_again_when_the_cache_no_longer_holds_this_enviro
     assert json.loads(stamp.read_text()) == build_rules(extensions)
     prebuild_ops(stamp)  # recorded: the next set-up skips
     assert loads == [extensions]
+
+
+def _bin_with_ninja(folder):
+    folder.mkdir(parents=True)
+    (folder / "ninja").write_text("#!/bin/sh\n")
+    (folder / "ninja").chmod(0o755)
+    return folder
+
+
+@pytest.mark.parametrize("path_finds", ["the system's ninja", "no ninja", "this environment's ninja"])
+def test_torch_builds_ops_with_this_environments_ninja_whatever_path_finds_first(tmp_path, monkeypatch, path_finds):
+    """torch runs `ninja` from PATH; a venv's interpreter started without activation would find the system's, and
+    two ninja versions building one op folder rebuild each other's build (ninja 1.11 and 1.12+ hash their log
+    differently)."""
+    own, system = _bin_with_ninja(tmp_path / "venv" / "bin"), _bin_with_ninja(tmp_path / "usr" / "bin")
+    elsewhere = {
+        "the system's ninja": str(system),
+        "no ninja": str(tmp_path),
+        "this environment's ninja": f"{own}{os.pathsep}{system}",
+    }[path_finds]
+    monkeypatch.setenv("PATH", elsewhere)
+    use_this_environments_ninja(own)
+    assert shutil.which("ninja") == str(own / "ninja")
+    assert os.environ["PATH"].split(os.pathsep).count(str(own)) == 1  # prepended once, only where needed
+    assert os.environ["PATH"].endswith(elsewhere)
+
+
+def test_an_environment_without_its_own_ninja_keeps_path(tmp_path, monkeypatch):
+    system = _bin_with_ninja(tmp_path / "usr" / "bin")
+    monkeypatch.setenv("PATH", str(system))
+    (tmp_path / "venv-bin").mkdir()
+    use_this_environments_ninja(tmp_path / "venv-bin")
+    assert os.environ["PATH"] == str(system)
