@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 import time
@@ -188,13 +189,21 @@ def prebuild_ops(stamp: Path | None = None) -> None:
 
 def build_rules(root: Path) -> dict[str, str | None]:
     """Each op's build rules (sha256 of torch's ``build.ninja``, which names the include paths of the environment
-    that built it), or None where the op is not built."""
-    rules: dict[str, str | None] = {}
+    that built it), or None where the op is not built; and the version of the ninja that runs them (a switch to
+    another ninja rebuilds every op once, see the module docstring)."""
+    rules: dict[str, str | None] = {"ninja": _ninja_version()}
     for name in CPU_OPS:
         ninja = root / name / "build.ninja"
         built = ninja.is_file() and any((root / name).glob(f"{name}*.so"))
         rules[name] = hashlib.sha256(ninja.read_bytes()).hexdigest() if built else None
     return rules
+
+
+def _ninja_version() -> str | None:
+    ninja = shutil.which("ninja")
+    if ninja is None:
+        return None
+    return subprocess.run([ninja, "--version"], capture_output=True, text=True, check=False).stdout.strip() or None
 
 
 def _recorded(stamp: Path) -> dict | None:

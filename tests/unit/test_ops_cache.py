@@ -33,6 +33,8 @@ HOUR_AGO = time.time() - 3600
 @pytest.fixture
 def extensions(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("PATH", os.environ.get("PATH", ""))  # restored after the test
+    use_this_environments_ninja()  # as prebuild_ops does, so stamps written here name the ninja it will find
     return tmp_path
 
 
@@ -146,7 +148,10 @@ def test_prebuild_skips_ops_built_for_this_environment_and_clears_their_stale_lo
     assert "already built for this environment" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("since", ["another environment rebuilt an op", "no set-up here yet", "an op was deleted"])
+@pytest.mark.parametrize(
+    "since",
+    ["another environment rebuilt an op", "no set-up here yet", "an op was deleted", "another ninja runs the builds"],
+)
 def test_prebuild_loads_the_ops_again_when_the_cache_no_longer_holds_this_environments_build(
     extensions, tmp_path, monkeypatch, since
 ):
@@ -160,6 +165,8 @@ def test_prebuild_loads_the_ops_again_when_the_cache_no_longer_holds_this_enviro
         built_op(extensions, "deepspeed_shm_comm", rules="include /env-b/torch/include")
     elif since == "no set-up here yet":
         stamp.unlink()
+    elif since == "another ninja runs the builds":  # its build log's hashes differ: it would rebuild every op
+        monkeypatch.setattr(ops_cache, "_ninja_version", lambda: "0.0.1-elsewhere")
     else:
         (extensions / "cpu_adam" / "cpu_adam.so").unlink()
     loads = []
