@@ -1,19 +1,25 @@
 """Exact resume: a run stopped (cleanly, by SIGTERM, or by SIGKILL in the middle of a save) and resumed ends with
-the same metrics and bit-identical weights as the same run done straight, on CPU, for LoRA and full fine-tuning."""
+the same metrics and bit-identical weights as the same run done straight, on CPU, for LoRA and full fine-tuning.
+A checkpoint exports to the same diffusers files as the run's own end-of-run export, and a second run pointed at a
+checkpoint root another run owns is refused in one line (continuing it takes --resume auto, as above)."""
 
 import json
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from mlflow import MlflowClient
+from safetensors.torch import load_file
 
 from core.errors import RETRYABLE_EXIT_CODE
 from tests.integration.pipeline_runs import (
+    DEMO,
     REPO,
+    SHORT,
     consolidated_weights,
     environment,
     metric_history,
@@ -126,3 +132,33 @@ def test_sigkill_in_the_middle_of_a_save_loses_nothing(straight_run, tmp_path):
     assert client.get_run(only_run_id(_tracking(tmp_path))).info.status == "FINISHED"
     audit = [json.loads(line) for line in (tmp_path / "audit" / "rank-0.jsonl").read_text().splitlines()]
     assert [record["iteration"] for record in audit if "prompt_ids" in record] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("straight_run", ["full"], indirect=True)
+def test_a_checkpoint_exports_as_the_run_end_did_and_another_run_is_refused_the_root(straight_run, tmp_path):
+    _, straight = straight_run
+    weights = "diffusion_pytorch_model.safetensors"
+    run_end = load_file(straight / "exports" / "step-4" / weights)
+    out = tmp_path / "exported"
+    exported = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "export", str(DEMO), f"run.output_dir={straight}", *SHORT]
+        + ["--checkpoint", "auto", "--out", str(out)],
+        cwd=REPO,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert exported.stdout.strip() == str(out.resolve())  # the only stdout line
+    again = load_file(out / weights)
+    assert again.keys() == run_end.keys()
+    assert all(again[name].equal(run_end[name]) for name in run_end)
+
+    # Refused before it starts an MLflow run or writes a step: the straight run's record stays its own.
+    second = run_sagegrpo(straight, "run.max_iterations=6")
+    assert second.returncode == 2
+    assert second.stderr.strip().splitlines()[-1].startswith("sagegrpo: error: checkpoint root")
+    assert "belongs to run" in second.stderr
+    only_run_id(_tracking(straight))
+    assert sorted(p.name for p in (straight / "checkpoints").glob("step-*")) == ["step-2", "step-4"]
