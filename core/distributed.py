@@ -6,12 +6,16 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+# The folder of a single process's rendezvous file (see ``init``), removed by ``shutdown``.
+_rendezvous: str | None = None
 
 
 def rank() -> int:
@@ -53,7 +57,9 @@ def init(timeout_minutes: float = 30.0) -> None:
     launched = "WORLD_SIZE" in os.environ  # torchrun, the deepspeed launcher, Slurm's srun wrappers set it
     # A single process rendezvouses through a file, not a TCP port: a free port found now can be taken by any other
     # process (an outgoing connection's ephemeral port) before the store listens on it.
-    init_method = None if launched else f"file://{tempfile.mkdtemp(prefix='sagegrpo-pg-')}/store"
+    global _rendezvous
+    _rendezvous = None if launched else tempfile.mkdtemp(prefix="sagegrpo-pg-")
+    init_method = None if launched else f"file://{_rendezvous}/store"
     for name, value in (
         ("MASTER_ADDR", "127.0.0.1"),
         ("MASTER_PORT", "29500"),
@@ -103,8 +109,12 @@ def barrier() -> None:
 def shutdown() -> None:
     """Destroy the process group before the interpreter exits, as torch asks (``init`` registers it to run at exit).
     Not enough on its own to end a launched rank cleanly: gloo's threads outlive it (``exit_launched``)."""
+    global _rendezvous
     if dist.is_initialized():
         dist.destroy_process_group()
+    if _rendezvous is not None:  # a scheduled job's runs would leave one folder each in /tmp
+        shutil.rmtree(_rendezvous, ignore_errors=True)
+        _rendezvous = None
 
 
 def exit_launched(code: int) -> int:
