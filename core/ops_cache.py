@@ -25,9 +25,10 @@ only what changed) whenever the cache no longer holds those rules.
 
 ``use_this_environments_ninja`` runs before either: torch runs ``ninja`` from PATH, and an environment's
 interpreter started without activating it (``.venv/bin/python``, a console script, a subprocess) finds the system's
-ninja instead of its own. Ninja 1.11 and 1.12+ hash the commands in the folder's build log differently, so when two
-processes build with different ninjas, each one's build looks out of date to the other and is redone (about a minute
-per load on CPU, while every other process waits on the lock): measured four rebuilds in one run of the test suite.
+ninja instead of its own. Ninja 1.13 hashes the commands in an op folder's build log with rapidhash (log v7), earlier
+versions with MurmurHash2, so when two processes build with ninjas on either side, each one's build looks out of date
+to the other and is redone (about a minute per load on CPU, while every other process waits on the lock): measured
+four rebuilds in one run of the test suite (the venv's ninja 1.13, the system's 1.11).
 """
 
 from __future__ import annotations

@@ -195,7 +195,7 @@ def _bin_with_ninja(folder):
 @pytest.mark.parametrize("path_finds", ["the system's ninja", "no ninja", "this environment's ninja"])
 def test_torch_builds_ops_with_this_environments_ninja_whatever_path_finds_first(tmp_path, monkeypatch, path_finds):
     """torch runs `ninja` from PATH; a venv's interpreter started without activation would find the system's, and
-    two ninja versions building one op folder rebuild each other's build (ninja 1.11 and 1.12+ hash their log
+    two ninja versions building one op folder rebuild each other's build (ninja 1.13 and earlier hash their log
     differently)."""
     own, system = _bin_with_ninja(tmp_path / "venv" / "bin"), _bin_with_ninja(tmp_path / "usr" / "bin")
     elsewhere = {
