@@ -35,29 +35,27 @@ def environment(**extra: str) -> dict[str, str]:
     }
 
 
+def cli_command(*arguments: str) -> list[str]:
+    return [sys.executable, "-m", "pipeline.cli", *arguments]
+
+
+def _run_arguments(output_dir: Path, *overrides: str, flags: tuple[str, ...] = ()) -> list[str]:
+    return ["run", str(DEMO), f"run.output_dir={output_dir}", *SHORT, *overrides, *flags]
+
+
 def sagegrpo_command(output_dir: Path, *overrides: str, flags: tuple[str, ...] = ()) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "pipeline.cli",
-        "run",
-        str(DEMO),
-        f"run.output_dir={output_dir}",
-        *SHORT,
-        *overrides,
-        *flags,
-    ]
+    return cli_command(*_run_arguments(output_dir, *overrides, flags=flags))
+
+
+def sagegrpo(*arguments: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``sagegrpo ARGUMENTS`` (any command) as a subprocess from the repository root, output captured."""
+    return subprocess.run(
+        cli_command(*arguments), cwd=REPO, env=environment(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def run_sagegrpo(output_dir: Path, *overrides: str, flags: tuple[str, ...] = (), timeout: int = 600):
-    return subprocess.run(
-        sagegrpo_command(output_dir, *overrides, flags=flags),
-        cwd=REPO,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return sagegrpo(*_run_arguments(output_dir, *overrides, flags=flags), timeout=timeout)
 
 
 def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, float]]:

@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.helpers import free_port
-from tests.integration.pipeline_runs import DEMO, REPO, SHORT, environment, run_sagegrpo
+from tests.integration.pipeline_runs import DEMO, REPO, SHORT, environment, run_sagegrpo, sagegrpo
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -69,39 +69,15 @@ def test_demo_single_process_against_mlflow_server(mlflow_server, tmp_path):
 
     # The saved policy evaluates to the logged numbers and writes videos for a new prompt.
     same = [f"run.output_dir={tmp_path}", *SHORT, "lora.enabled=true", "lora.rank=4"]
-    evaluated = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "eval", str(DEMO), *same, "--checkpoint", "auto"],
-        cwd=REPO,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    evaluated = sagegrpo("eval", str(DEMO), *same, "--checkpoint", "auto", timeout=300)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert json.loads(evaluated.stdout)["eval/reward"] == pytest.approx(run.data.metrics["eval/reward"], rel=1e-5)
-    sampled = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.cli",
-            "sample",
-            str(DEMO),
-            *same,
-            "--checkpoint",
-            "auto",
-            "--prompt",
-            "a red kite",
-            "--out",
-            str(tmp_path / "samples"),
-        ],
-        cwd=REPO,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    samples = tmp_path / "samples"
+    sampled = sagegrpo(
+        "sample", str(DEMO), *same, "--checkpoint", "auto", "--prompt", "a red kite", "--out", str(samples), timeout=300
     )
     assert sampled.returncode == 0, sampled.stderr[-3000:]
-    assert any((tmp_path / "samples").glob("sample_00.*"))
+    assert any(samples.glob("sample_00.*"))
 
 
 def test_demo_two_processes_under_the_deepspeed_launcher(mlflow_server, tmp_path):

@@ -6,7 +6,6 @@ checkpoint root another run owns is refused in one line (continuing it takes --r
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from tests.integration.pipeline_runs import (
     metric_history,
     only_run_id,
     run_sagegrpo,
+    sagegrpo,
     sagegrpo_command,
 )
 
@@ -140,14 +140,8 @@ def test_a_checkpoint_exports_as_the_run_end_did_and_another_run_is_refused_the_
     weights = "diffusion_pytorch_model.safetensors"
     run_end = load_file(straight / "exports" / "step-4" / weights)
     out = tmp_path / "exported"
-    exported = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "export", str(DEMO), f"run.output_dir={straight}", *SHORT]
-        + ["--checkpoint", "auto", "--out", str(out)],
-        cwd=REPO,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    exported = sagegrpo(
+        "export", str(DEMO), f"run.output_dir={straight}", *SHORT, "--checkpoint", "auto", "--out", str(out)
     )
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert exported.stdout.strip() == str(out.resolve())  # the only stdout line
