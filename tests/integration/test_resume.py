@@ -1,8 +1,11 @@
 """Exact resume: a run stopped (cleanly, by SIGTERM, or by SIGKILL in the middle of a save) and resumed ends with
-the same metrics and bit-identical weights as the same run done straight, on CPU, for LoRA and full fine-tuning.
+the same metrics, bit-identical weights and the same export as the same run done straight, on CPU, for LoRA and full
+fine-tuning, each with the update options users combine with it: full fine-tuning with an EMA of the weights (what
+evaluation and export use), LoRA with two PPO mini-batch updates per rollout of three transitions per forward.
 A checkpoint exports to the same diffusers files as the run's own end-of-run export, and a second run pointed at a
 checkpoint root another run owns is refused in one line (continuing it takes --resume auto, as above)."""
 
+import filecmp
 import json
 import signal
 import subprocess
@@ -30,17 +33,22 @@ from tests.integration.pipeline_runs import (
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-COMPARED = [
-    "reward/mean",
-    "reward/std",
-    "update/loss",
-    "update/position_kl",
-    "update/velocity_kl",
-    "update/lambda_kl",
-    "update/grad_norm",
-    "eval/reward",
-]
-KINDS = {"lora": ("lora.enabled=true", "lora.rank=4", "lora.alpha=4"), "full": ()}
+KINDS = {
+    "lora": (
+        "lora.enabled=true",
+        "lora.rank=4",
+        "lora.alpha=4",
+        "update.updates_per_rollout=2",
+        "update.transitions_per_micro_step=3",  # 2 chunks x 3 trained steps = 2 mini-batches of one micro-step
+    ),
+    "full": ("update.ema_decay=0.9",),
+}
+UNTIMED = ("time/", "system/", "samples_per_second")
+
+
+def _compared_metrics(tracking: str) -> list[str]:
+    keys = MlflowClient(tracking).get_run(only_run_id(tracking)).data.metrics
+    return sorted(key for key in keys if not key.startswith(UNTIMED))
 
 
 def _tracking(output_dir: Path) -> str:
@@ -49,15 +57,21 @@ def _tracking(output_dir: Path) -> str:
 
 def _assert_same_run(straight: Path, resumed: Path):
     straight_run, resumed_run = only_run_id(_tracking(straight)), only_run_id(_tracking(resumed))
-    for key in COMPARED:
+    compared = _compared_metrics(_tracking(straight))
+    assert _compared_metrics(_tracking(resumed)) == compared
+    for key in compared:
         expected = metric_history(_tracking(straight), straight_run, key)
-        assert expected, key
         assert metric_history(_tracking(resumed), resumed_run, key) == expected, key
     expected_weights = consolidated_weights(straight / "checkpoints" / "step-4")
     resumed_weights = consolidated_weights(resumed / "checkpoints" / "step-4")
     assert expected_weights.keys() == resumed_weights.keys()
     for name, tensor in expected_weights.items():
         assert torch.equal(tensor, resumed_weights[name]), name
+    # The run-end export: the EMA's weights for full fine-tuning, the adapter for LoRA.
+    exports = sorted(path.name for path in (straight / "exports" / "step-4").iterdir())
+    assert exports == sorted(path.name for path in (resumed / "exports" / "step-4").iterdir())
+    for name in exports:
+        assert filecmp.cmp(straight / "exports" / "step-4" / name, resumed / "exports" / "step-4" / name, False), name
 
 
 @pytest.fixture(scope="module", params=sorted(KINDS))
@@ -66,6 +80,19 @@ def straight_run(request, tmp_path_factory):
     result = run_sagegrpo(output, "run.max_iterations=4", *KINDS[request.param])
     assert result.returncode == 0, result.stderr[-4000:]
     return request.param, output
+
+
+def test_the_combined_update_options_act(straight_run):
+    kind, straight = straight_run
+    if kind == "lora":  # the second mini-batch trains a policy the first one moved: its ratio leaves 1
+        ratios = metric_history(_tracking(straight), only_run_id(_tracking(straight)), "update/ratio_max")
+        assert len(ratios) == 4 and all(ratio != 1.0 for _, ratio in ratios)
+    else:  # the run exports the EMA, which lags every weight training still moves
+        before, policy = (consolidated_weights(straight / "checkpoints" / f"step-{step}") for step in (2, 4))
+        exported = load_file(straight / "exports" / "step-4" / "diffusion_pytorch_model.safetensors")
+        assert exported.keys() == policy.keys()
+        moving = [name for name in policy if not policy[name].equal(before[name])]
+        assert moving and not any(exported[name].equal(policy[name]) for name in moving)
 
 
 def test_stop_and_resume_equals_the_straight_run(straight_run, tmp_path):
@@ -141,7 +168,15 @@ def test_a_checkpoint_exports_as_the_run_end_did_and_another_run_is_refused_the_
     run_end = load_file(straight / "exports" / "step-4" / weights)
     out = tmp_path / "exported"
     exported = sagegrpo(
-        "export", str(DEMO), f"run.output_dir={straight}", *SHORT, "--checkpoint", "auto", "--out", str(out)
+        "export",
+        str(DEMO),
+        f"run.output_dir={straight}",
+        *SHORT,
+        *KINDS["full"],
+        "--checkpoint",
+        "auto",
+        "--out",
+        str(out),
     )
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert exported.stdout.strip() == str(out.resolve())  # the only stdout line
