@@ -98,7 +98,7 @@ def ema_scenario(deepspeed_config: str, out: Path) -> dict:
     }
 
 
-LEAF_CASES = {  # each run with the default leaf blocks and with ZeRO-3's per-module hooks
+LEAF_CASES = {  # each run with the default leaf blocks, and under ZeRO-3 also with its per-module hooks
     "dual": {},
     # autograd.grad passes before the backward; at a learning rate that leaves the policy term unclipped
     "kl_grad_ratio_each_update": {"trust": {"kl_grad_ratio_every": 1}, "learning_rate": 1e-4},
@@ -110,29 +110,35 @@ LEAF_CASES = {  # each run with the default leaf blocks and with ZeRO-3's per-mo
 
 
 def leaf_scenario(deepspeed_config: str) -> dict:
-    """Two updates per case, with leaf blocks and with per-module hooks: which modules are leaves, how far the
-    weights and metrics end apart, and how far checkpointing moves the weights."""
+    """Two updates per case: which modules are leaves, how far checkpointing moves the weights and, under ZeRO-3, how
+    far the weights and metrics of leaf blocks and per-module hooks end apart (ZeRO-2 gathers nothing: its leaf
+    setting is inert, so a second run would repeat the first)."""
     from deepspeed.utils import z3_leaf_module
 
+    hook_variants = {"blocks": "auto", "per_module": []} if deepspeed_config == "zero3" else {"blocks": "auto"}
     report, weights = {}, {}
     for case, options in LEAF_CASES.items():
         runs = {}
-        for hooks, leaf_modules in {"blocks": "auto", "per_module": []}.items():
+        for hooks, leaf_modules in hook_variants.items():
             updater, rollout = build(deepspeed_config, zero3_leaf_modules=leaf_modules, **options)
             module = updater.engine.module
             start = gathered(module)
             metrics = [updater.update(rollout, advantages(rollout)) for _ in range(2)]
             runs[hooks] = (gathered(module), metrics[-1], module, start)
-        (blocks, block_metrics, module, start), (per_module, module_metrics, *_) = runs["blocks"], runs["per_module"]
+        blocks, block_metrics, module, start = runs["blocks"]
         weights[case] = blocks
         report[case] = {
             "leaves": sorted({type(m).__name__ for m in module.modules() if z3_leaf_module(m)}),
             "checkpointing": module.gradient_checkpointing,
-            "weights_difference": max_difference(blocks, per_module),
-            "metrics_differing": sorted(k for k in block_metrics if block_metrics[k] != module_metrics[k]),
             "kl_grad_ratio": block_metrics.get("kl_grad_ratio"),
             "weights_moved": max_difference(blocks, start),
         }
+        if "per_module" in runs:
+            per_module, module_metrics, *_ = runs["per_module"]
+            report[case]["weights_difference"] = max_difference(blocks, per_module)
+            report[case]["metrics_differing"] = sorted(
+                k for k in block_metrics if block_metrics[k] != module_metrics[k]
+            )
     report["checkpointed"]["checkpointing_difference"] = max_difference(weights["dual"], weights["checkpointed"])
     report["kl_grad_ratio_each_update"]["measurement_difference"] = max_difference(
         weights["kl_grad_ratio_each_update"], weights["unmeasured"]
