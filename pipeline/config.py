@@ -21,7 +21,7 @@ from stages.evaluate import EvalConfig
 from stages.ingest import DataConfig
 from stages.rollout import RolloutConfig, SDEConfig
 from stages.score import ScoringConfig
-from stages.update import DeepSpeedConfig, TrustRegionConfig, UpdateConfig, deepspeed_config
+from stages.update import DeepSpeedConfig, TrustRegionConfig, UpdateConfig, check_optimizer_fits, deepspeed_config
 
 
 class _Section(BaseModel):
@@ -76,13 +76,14 @@ class RunConfig(_Section):
             raise ValueError("sde.variant=ode has no log-probabilities to train on; use dance, flow, cps or sage")
         trained = int(self.sde.trained_steps_mask().sum())
         # The JSON against this run's values (the world size is checked when the engine is built).
-        deepspeed_config(
+        engine_config = deepspeed_config(
             self.deepspeed.config,
             micro_batch_size=self.update.micro_batch_size,
             accumulation_steps=self.update.accumulation_steps(samples, trained),
-            max_grad_norm=self.update.max_grad_norm,
+            max_grad_norm=self.update.gradient_clipping,
             bf16=self.deepspeed.use_bf16(),
         )
+        check_optimizer_fits(self.update.optimizer, engine_config)
         return self
 
     @property

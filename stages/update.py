@@ -82,6 +82,7 @@ class UpdateConfig(BaseModel):
     muon_momentum: float = Field(0.95, ge=0, lt=1)
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = Field(1e-8, gt=0)
+    # The global gradient norm clip; adamw only (see gradient_clipping: Muon runs unclipped).
     max_grad_norm: float = Field(1.0, gt=0)
     clip_range: float = Field(1e-4, gt=0)
     micro_batch_size: int = Field(1, ge=1)
@@ -107,6 +108,24 @@ class UpdateConfig(BaseModel):
         if self.lr_schedule != "constant" and self.lr_decay_steps is None:
             raise ValueError(f"lr_schedule={self.lr_schedule} needs update.lr_decay_steps (updates to decay over)")
         return self
+
+    @model_validator(mode="after")
+    def _muon_is_not_clipped(self) -> UpdateConfig:
+        if self.optimizer == "muon" and "max_grad_norm" in self.model_fields_set:
+            raise ValueError(
+                "max_grad_norm does not apply to optimizer=muon: DeepSpeed would clip Muon's orthogonalized update "
+                "by its own norm, shrinking every step by a model-sized factor; Muon runs unclipped"
+            )
+        return self
+
+    @property
+    def gradient_clipping(self) -> float:
+        """DeepSpeed's ``gradient_clipping``: ``max_grad_norm``, or 0 (off) under Muon. DeepSpeed orthogonalizes the
+        Muon matrices' gradients before it takes the clip norm, so the norm is that of the updates, about the square
+        root of the matrices' summed widths whatever the gradient (11 on the tiny model, ~10^3 on HunyuanVideo 1.5):
+        clipping at 1 would divide every Muon step by it (deepspeedai/DeepSpeed#8439). An orthogonalized update is
+        bounded by construction; the auxiliary AdamW's biases and norms go unclipped with it."""
+        return 0.0 if self.optimizer == "muon" else self.max_grad_norm
 
     def accumulation_steps(self, samples_per_rank: int, trained_steps: int) -> int:
         """Micro-steps per optimizer update: the DeepSpeed engine's gradient_accumulation_steps for this config."""
@@ -317,6 +336,12 @@ def _fill(section: dict, key: str, value, source: str, key_path: str | None = No
     section[key] = value
 
 
+def check_optimizer_fits(optimizer: str, ds_config: dict) -> None:
+    """Muon needs whole matrices, which only ZeRO-3's gathered parameters give DeepSpeed's implementation here."""
+    if optimizer == "muon" and ds_config.get("zero_optimization", {}).get("stage") != 3:
+        raise ValueError("update.optimizer=muon is wired for ZeRO-3 configs only (zero3, zero3_offload)")
+
+
 def _optimizer(params, config: UpdateConfig, offload: bool):
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -352,7 +377,7 @@ def build_engine(
             deepspeed_config_name,
             micro_batch_size=config.micro_batch_size,
             accumulation_steps=accumulation_steps,
-            max_grad_norm=config.max_grad_norm,
+            max_grad_norm=config.gradient_clipping,
             bf16=bf16,
             world_size=distributed.world_size(),
             hidden_size=_hidden_size(module),
@@ -369,11 +394,12 @@ def build_engine(
             if any(p.requires_grad for p in leaf.parameters()):  # a frozen leaf has no gradients to wait for
                 leaf.register_forward_pre_hook(_inputs_require_grad, with_kwargs=True)
     trainable = [p for p in module.parameters() if p.requires_grad]
-    if config.optimizer == "muon" and ds_config.get("zero_optimization", {}).get("stage") != 3:
-        raise ValueError("update.optimizer=muon is wired for ZeRO-3 configs only (zero3, zero3_offload)")
+    check_optimizer_fits(config.optimizer, ds_config)
     if config.optimizer == "muon":
         # DeepSpeed's own Muon (Muon on the 2-D weights, Adam on the rest), configured in its JSON: a client
-        # optimizer would see ZeRO-3's flat partitions, and Muon needs whole matrices.
+        # optimizer would see ZeRO-3's flat partitions, and Muon needs whole matrices. The rest's Adam is torch's
+        # AdamW, as with optimizer=adamw: DeepSpeed's fused CPU Adam restarts its bias correction from pow(beta, step)
+        # where a run that was not resumed multiplied it up step by step, so a resume would drift by float rounding.
         ds_config["optimizer"] = {
             "type": "muon",
             "params": {
@@ -382,6 +408,7 @@ def build_engine(
                 "momentum": config.muon_momentum,
                 "betas": list(config.betas),
                 "eps": config.adam_eps,
+                "torch_adam": True,
             },
         }
         ds_config.setdefault("zero_optimization", {})["reduce_scatter"] = False  # DeepSpeed's Muon requires it

@@ -94,3 +94,30 @@ def test_gradient_checkpointing_recomputes_the_blocks_to_the_same_weights(report
     run = report["leaf"]["checkpointed"]
     assert run["checkpointing"] and not report["leaf"]["dual"]["checkpointing"]
     assert run["checkpointing_difference"] == 0.0
+
+
+def test_muon_steps_each_matrix_by_an_orthogonalized_update_and_resumes_bit_identically(report):
+    if "muon" not in report:
+        pytest.skip("update.optimizer=muon is wired for ZeRO-3 only")
+    muon = report["muon"]
+    # Most matrices Muon trains (the blocks': DeepSpeed leaves layers named *embed* to the AdamW) moved, each checked.
+    assert len(muon["top_singular_values"]) > muon["muon_matrices"] / 2
+    # Newton-Schulz leaves singular values of about 1: each matrix moves by about the learning rate in spectral
+    # norm. With DeepSpeed's clip at the default 1.0 they were ~0.1, divided by the norm of all the
+    # orthogonalized updates (~11 on this model).
+    assert all(0.5 <= value <= 1.5 for value in muon["top_singular_values"].values()), muon["top_singular_values"]
+    assert muon["adam_moved"] > 1e-4
+    assert muon["resume_difference"] == 0.0
+    # torch's AdamW, as with optimizer=adamw. DeepSpeed's fused CPU Adam drifts by float rounding after a resume
+    # (below, with the offload config): a `sagegrpo run` with it stopped and resumed ended 1.2e-7 off.
+    assert muon["adam"] == "torch.optim.adamw"
+
+
+def test_the_offload_config_trains_and_resumes_within_the_cpu_adams_rounding(report):
+    if "offload" not in report:
+        pytest.skip("zero3_offload is a ZeRO-3 config")
+    offload = report["offload"]
+    assert offload["weights_moved"] > 1e-4
+    # Not bit for bit: DeepSpeedCPUAdam's bias correction is beta^t multiplied up step by step, and restarted from
+    # pow(beta, t) after a load, which differs in the last bit of a float (beta2^3: 0.9970031 against 0.997003).
+    assert offload["resume_difference"] <= 1e-6

@@ -98,6 +98,60 @@ def ema_scenario(deepspeed_config: str, out: Path) -> dict:
     }
 
 
+def _resumed_third_update(deepspeed_config: str, out: Path, **options) -> tuple[Updater, dict, dict, dict]:
+    """Three updates straight, and the third again from a checkpoint of the second (the first whose Adam bias
+    correction, beta^3, rounds differently when recomputed): the straight run's updater and weights at the start
+    and after one update, and the resumed run's weights after three."""
+    updater, rollout = build(deepspeed_config, **options)
+    start = gathered(updater.engine.module)
+    updater.update(rollout, advantages(rollout))
+    after_one = gathered(updater.engine.module)
+    updater.update(rollout, advantages(rollout))
+    updater.engine.save_checkpoint(str(out / deepspeed_config), tag="two")
+    torch.save(updater.state_dict(), out / f"{deepspeed_config}_updater.pt")
+    updater.update(rollout, advantages(rollout))
+    resumed, _ = build(deepspeed_config, **options)
+    resumed.engine.load_checkpoint(str(out / deepspeed_config), tag="two")
+    resumed.load_state_dict(torch.load(out / f"{deepspeed_config}_updater.pt", weights_only=False))
+    resumed.update(rollout, advantages(rollout))
+    return updater, start, after_one, gathered(resumed.engine.module)
+
+
+def muon_scenario(out: Path) -> dict:
+    """Muon under ZeRO-3: the first update's step on each matrix Muon trains, over the learning rate and Muon's
+    aspect-ratio scale, as singular values (an orthogonalized step's are about 1; a clip norm taken over the updates
+    divided them by it); what the auxiliary AdamW moved; and a resume after two updates against three straight."""
+    updater, start, after_one, resumed = _resumed_third_update("zero3", out, optimizer="muon")
+    module = updater.engine.module
+    trained = {name: param for name, param in module.named_parameters() if param.requires_grad}
+    learning_rate = updater.config.learning_rate
+    top_singular_values = {}
+    for name, param in trained.items():
+        step = after_one[name] - start[name]
+        if param.use_muon and step.any():
+            rows, columns = step.shape
+            scaled = step / (learning_rate * max(1.0, rows / columns) ** 0.5)
+            top_singular_values[name] = float(torch.linalg.matrix_norm(scaled, ord=2))
+    adam_moved = max(float((after_one[n] - start[n]).abs().max()) for n, p in trained.items() if not p.use_muon)
+    return {
+        "top_singular_values": top_singular_values,
+        "muon_matrices": sum(param.use_muon for param in trained.values()),
+        "adam_moved": adam_moved,
+        "adam": type(updater.engine.optimizer.optimizer.aux_optimizer).__module__,
+        "resume_difference": max_difference(gathered(module), resumed),
+    }
+
+
+def offload_scenario(out: Path) -> dict:
+    """The shipped zero3_offload config (DeepSpeedCPUAdam steps the host's fp32 partitions): a resume after two
+    updates against three straight."""
+    updater, start, after_one, resumed = _resumed_third_update("zero3_offload", out)
+    return {
+        "weights_moved": max_difference(after_one, start),
+        "resume_difference": max_difference(gathered(updater.engine.module), resumed),
+    }
+
+
 LEAF_CASES = {  # each run with the default leaf blocks, and under ZeRO-3 also with its per-module hooks
     "dual": {},
     # autograd.grad passes before the backward; at a learning rate that leaves the policy term unclipped
@@ -163,6 +217,9 @@ def main():
         report[name] = updater.update(rollout, advantages(rollout))
         report[name]["micro_steps_per_update"] = updater.engine.gradient_accumulation_steps()
     report["ema"] = ema_scenario(args.deepspeed_config, out)
+    if args.deepspeed_config == "zero3":  # Muon and the offload config are ZeRO-3's
+        report["muon"] = muon_scenario(out)
+        report["offload"] = offload_scenario(out)
     report["leaf"] = leaf_scenario(args.deepspeed_config)
     (out / f"report_{args.deepspeed_config}.json").write_text(json.dumps(report))
 

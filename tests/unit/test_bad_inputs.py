@@ -55,6 +55,8 @@ CORPUS = [
     ("update.max_grad_norm=.nan", "update.max_grad_norm"),
     ("update.clip_range=-1", "update.clip_range"),
     ("update.optimizer=sgd", "update.optimizer"),
+    ("update.optimizer=muon|deepspeed.config=zero2", "config"),  # was a traceback once the model had loaded
+    ("update.optimizer=muon|update.max_grad_norm=0.5", "update"),  # DeepSpeed would clip Muon's update by its norm
     ("update.lr_schedule=cosine", "update"),
     ("update.lr_warmup_steps=-1", "update.lr_warmup_steps"),
     ("update.seed=-5", "update.seed"),
