@@ -122,9 +122,9 @@ class UpdateConfig(BaseModel):
     def gradient_clipping(self) -> float:
         """DeepSpeed's ``gradient_clipping``: ``max_grad_norm``, or 0 (off) under Muon. DeepSpeed orthogonalizes the
         Muon matrices' gradients before it takes the clip norm, so the norm is that of the updates, about the square
-        root of the matrices' summed widths whatever the gradient (11 on the tiny model, ~10^3 on HunyuanVideo 1.5):
-        clipping at 1 would divide every Muon step by it (deepspeedai/DeepSpeed#8439). An orthogonalized update is
-        bounded by construction; the auxiliary AdamW's biases and norms go unclipped with it."""
+        root of the matrices' summed widths whatever the gradient (11 measured on the tiny model, ~10^3 estimated for
+        HunyuanVideo 1.5): clipping at 1 would divide every Muon step by it (deepspeedai/DeepSpeed#8439). An
+        orthogonalized update is bounded by construction; the auxiliary AdamW's biases and norms go unclipped too."""
         return 0.0 if self.optimizer == "muon" else self.max_grad_norm
 
     def accumulation_steps(self, samples_per_rank: int, trained_steps: int) -> int:
