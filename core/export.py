@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import struct
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,6 +46,7 @@ from core.storage import _fsync_dirs, _move_into_place, _sha256_and_size
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 TRANSFORMER_PREFIX = "transformer"  # the component name diffusers' LoRA loaders filter keys by
 EXPORT_MANIFEST = "export.json"
+HEADER_LENGTH_BYTES = 8  # a safetensors file opens with its JSON header's length, a little-endian u64
 # diffusers' own names, so that ModelMixin.from_pretrained finds the weights and the shard index.
 FULL_WEIGHTS_PATTERN = "diffusion_pytorch_model{suffix}.safetensors"
 MAX_SHARD_SIZE = "10GB"  # diffusers' save_pretrained default
@@ -89,6 +91,7 @@ def export_lora(
     metadata = {"format": "pt", "lora_adapter_metadata": _adapter_metadata(peft_config)}
     with _atomic_directory(out_dir) as staging:
         safetensors.torch.save_file(prefixed, staging / LORA_WEIGHT_NAME, metadata=metadata)
+        _sort_header_metadata(staging / LORA_WEIGHT_NAME)
         _write_export_manifest(staging, "lora", model)
     return Path(out_dir)
 
@@ -204,6 +207,21 @@ def _adapter_metadata(peft_config) -> str:
         for key, value in config.items()
     }
     return json.dumps(config, indent=2, sort_keys=True)
+
+
+def _sort_header_metadata(path: Path) -> None:
+    """Rewrite a safetensors header with its ``__metadata__`` keys in sorted order, in place. safetensors writes them
+    in a random order on every save (safetensors/safetensors#584), so the same adapter exported twice had two
+    sha256s. Only the order changes: the same JSON in the same number of bytes, so every tensor keeps its offset."""
+    with open(path, "r+b") as file:
+        (length,) = struct.unpack("<Q", file.read(HEADER_LENGTH_BYTES))
+        header = json.loads(file.read(length))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        canonical = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(canonical) > length:
+            raise RuntimeError(f"{path}: its header re-encodes in {len(canonical)} bytes, more than its {length}")
+        file.seek(HEADER_LENGTH_BYTES)
+        file.write(canonical.ljust(length, b" "))  # safetensors pads its header with spaces too
 
 
 def _write_export_manifest(directory: Path, kind: ExportKind, model: dict[str, Any] | None) -> None:

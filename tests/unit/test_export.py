@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers import HunyuanVideo15Transformer3DModel
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save
 
 from core.export import (
     EXPORT_MANIFEST,
@@ -127,6 +127,21 @@ def test_reexport_replaces_the_previous_export_whole(trained_lora, tmp_path):
     export_lora(trained_lora, export_dir)
 
     assert sorted(p.name for p in export_dir.iterdir()) == [EXPORT_MANIFEST, LORA_WEIGHT_NAME]
+
+
+def test_the_same_adapter_exports_to_the_same_bytes(trained_lora, tmp_path):
+    """safetensors writes its metadata keys in a random order on every save (safetensors/safetensors#584); the export
+    sorts them, so exporting the same adapter again gives the same sha256."""
+    exports = [export_lora(trained_lora, tmp_path / f"lora-{index}") for index in range(20)]
+
+    contents = {(export_dir / LORA_WEIGHT_NAME).read_bytes() for export_dir in exports}
+    assert len(contents) == 1
+    assert len({(export_dir / EXPORT_MANIFEST).read_bytes() for export_dir in exports}) == 1
+    # Only the order changed: these are the bytes safetensors itself writes whenever its order is the sorted one.
+    tensors = load_file(exports[0] / LORA_WEIGHT_NAME)
+    with safe_open(exports[0] / LORA_WEIGHT_NAME, framework="pt") as weights:
+        metadata = weights.metadata()
+    assert contents.pop() in {save(tensors, metadata=metadata) for _ in range(20)}
 
 
 def test_a_tampered_export_fails_verification(trained_lora, tmp_path):
