@@ -40,8 +40,9 @@ import torch
 from huggingface_hub import save_torch_state_dict
 
 from core import distributed
+from core.files import fsync_tree
 from core.lora import ADAPTER_NAME
-from core.storage import _fsync_dirs, _move_into_place, _sha256_and_size
+from core.storage import _move_into_place, _sha256_and_size
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 TRANSFORMER_PREFIX = "transformer"  # the component name diffusers' LoRA loaders filter keys by
@@ -239,7 +240,7 @@ def _atomic_directory(out_dir: str | Path) -> Iterator[Path]:
     staging.mkdir()
     try:
         yield staging
-        _fsync_dirs(staging)
+        fsync_tree(staging)
         _move_into_place(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # nothing left there once it has been moved into place

@@ -44,3 +44,13 @@ def fsync_dir(path: str | Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def fsync_tree(root: str | Path) -> None:
+    """Make every file under ``root``, its contents and its folder's entry, survive a power loss: for a tree written
+    by other libraries (safetensors, huggingface_hub) before it is renamed into place."""
+    for directory, _, files in os.walk(root):
+        for name in files:
+            with open(Path(directory) / name, "rb") as file:
+                os.fsync(file.fileno())
+        fsync_dir(directory)

@@ -64,7 +64,7 @@ from s3transfer.exceptions import RetriesExceededError
 from safetensors.torch import load_file
 
 from core.errors import StoreUnavailable, UserError
-from core.files import atomic_write_bytes, fsync_dir
+from core.files import atomic_write_bytes, fsync_dir, fsync_tree
 from core.s3 import s3_client
 from core.secrets import mask_uri
 
@@ -375,7 +375,7 @@ class LocalBackend:
         (self.root / self.incoming(step)).mkdir(parents=True)
 
     def seal_step(self, step: int) -> None:
-        _fsync_dirs(self.root / self.incoming(step))
+        fsync_tree(self.root / self.incoming(step))
         _move_into_place(self.root / self.incoming(step), self.root / step_dir(step))
 
     def abandon_step(self, step: int) -> None:
@@ -1050,9 +1050,3 @@ def _move_into_place(staging: Path, target: Path) -> None:
     else:
         os.replace(staging, target)
     fsync_dir(target.parent)
-
-
-def _fsync_dirs(root: Path) -> None:
-    """fsync every directory under ``root`` so that the entries of the files in them survive a power loss."""
-    for directory, _, _ in os.walk(root):
-        fsync_dir(Path(directory))

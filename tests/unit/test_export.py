@@ -3,6 +3,8 @@ diffusers' own loaders and reproduce the trained model's outputs; the LoRA scale
 that ignores the adapter config reproduces them too."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from diffusers import HunyuanVideo15Transformer3DModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
+import core.export
 from core.export import (
     EXPORT_MANIFEST,
     LORA_WEIGHT_NAME,
@@ -142,6 +145,32 @@ def test_the_same_adapter_exports_to_the_same_bytes(trained_lora, tmp_path):
     with safe_open(exports[0] / LORA_WEIGHT_NAME, framework="pt") as weights:
         metadata = weights.metadata()
     assert contents.pop() in {save(tensors, metadata=metadata) for _ in range(20)}
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_exported_files_are_synced_before_the_export_moves_into_place(kind, trained_lora, tmp_path, monkeypatch):
+    """safetensors and huggingface_hub write without fsync: the export syncs each file itself, or a power loss after
+    the rename could leave an export whose files are empty."""
+    synced, at_the_move = set(), {}
+    fsync, move_into_place = os.fsync, core.export._move_into_place
+
+    def recording_fsync(descriptor):
+        synced.add(Path(os.readlink(f"/proc/self/fd/{descriptor}")))
+        fsync(descriptor)
+
+    def recording_move(staging, target):
+        at_the_move["files"] = {path.resolve() for path in staging.rglob("*") if path.is_file()}
+        at_the_move["synced"] = set(synced)
+        move_into_place(staging, target)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(core.export, "_move_into_place", recording_move)
+    model = trained_lora if kind == "lora" else tiny_hunyuan15_pipeline().transformer
+
+    export_policy(model, tmp_path / kind)
+
+    assert len(at_the_move["files"]) >= 2  # the weights and export.json at least
+    assert at_the_move["files"] <= at_the_move["synced"]
 
 
 def test_a_tampered_export_fails_verification(trained_lora, tmp_path):
