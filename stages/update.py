@@ -396,10 +396,11 @@ def build_engine(
     trainable = [p for p in module.parameters() if p.requires_grad]
     check_optimizer_fits(config.optimizer, ds_config)
     if config.optimizer == "muon":
-        # DeepSpeed's own Muon (Muon on the 2-D weights, Adam on the rest), configured in its JSON: a client
-        # optimizer would see ZeRO-3's flat partitions, and Muon needs whole matrices. The rest's Adam is torch's
-        # AdamW, as with optimizer=adamw: DeepSpeed's fused CPU Adam restarts its bias correction from pow(beta, step)
-        # where a run that was not resumed multiplied it up step by step, so a resume would drift by float rounding.
+        # DeepSpeed's own Muon (Muon on the matrices, Adam on the rest and on every *embed* name), configured in its
+        # JSON: a client optimizer would see ZeRO-3's flat partitions, and Muon needs whole matrices. The rest's Adam
+        # is torch's AdamW, as with optimizer=adamw: DeepSpeed's fused CPU Adam restarts its bias correction from
+        # pow(beta, step) where a run that was not resumed multiplied it up step by step, so a resume would drift by
+        # float rounding.
         ds_config["optimizer"] = {
             "type": "muon",
             "params": {
