@@ -61,6 +61,21 @@ def max_difference(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def _checkpoint(updater: Updater, out: Path, name: str) -> None:
+    """What the Checkpointer saves: DeepSpeed's engine checkpoint and the Updater's own state."""
+    updater.engine.save_checkpoint(str(out / name), tag=name)
+    torch.save(updater.state_dict(), out / f"{name}_updater.pt")
+
+
+def _resumed(deepspeed_config: str, out: Path, name: str, **options) -> Updater:
+    """A fresh Updater loaded from :func:`_checkpoint`'s files, the Updater's state data-only as the Checkpointer
+    loads it."""
+    resumed, _ = build(deepspeed_config, **options)
+    resumed.engine.load_checkpoint(str(out / name), tag=name)
+    resumed.load_state_dict(torch.load(out / f"{name}_updater.pt", weights_only=True))
+    return resumed
+
+
 def ema_scenario(deepspeed_config: str, out: Path) -> dict:
     """EMA (decay 0.5) over 3 updates checked against its formula on the gathered weights; then a resume from the
     checkpoint after update 2 must end bit-identical (weights and EMA) to the uninterrupted run."""
@@ -71,8 +86,7 @@ def ema_scenario(deepspeed_config: str, out: Path) -> dict:
     formula_error, restored_exactly = 0.0, True
     for update in range(1, 4):
         if update == 3:
-            updater.engine.save_checkpoint(str(out / "ckpt"), tag="two")
-            torch.save(updater.state_dict(), out / "updater.pt")
+            _checkpoint(updater, out, "ema")
         updater.update(rollout, advantages(rollout))
         policy = gathered(module)
         expected = {k: decay * expected[k] + (1 - decay) * policy[k] for k in expected}
@@ -80,9 +94,7 @@ def ema_scenario(deepspeed_config: str, out: Path) -> dict:
             ema = gathered(module)
         restored_exactly &= all(torch.equal(policy[k], v) for k, v in gathered(module).items())
         formula_error = max(formula_error, max_difference(ema, expected))
-    resumed, _ = build(deepspeed_config, ema_decay=decay)
-    resumed.engine.load_checkpoint(str(out / "ckpt"), tag="two")
-    resumed.load_state_dict(torch.load(out / "updater.pt", weights_only=False))
+    resumed = _resumed(deepspeed_config, out, "ema", ema_decay=decay)
     resumed.update(rollout, advantages(rollout))
     with updater.ema_swapped_in():
         ema = gathered(module)
@@ -98,7 +110,7 @@ def ema_scenario(deepspeed_config: str, out: Path) -> dict:
     }
 
 
-def _resumed_third_update(deepspeed_config: str, out: Path, **options) -> tuple[Updater, dict, dict, dict]:
+def _resumed_third_update(deepspeed_config: str, out: Path, name: str, **options) -> tuple[Updater, dict, dict, dict]:
     """Three updates straight, and the third again from a checkpoint of the second (the first whose Adam bias
     correction, beta^3, rounds differently when recomputed): the straight run's updater and weights at the start
     and after one update, and the resumed run's weights after three."""
@@ -107,12 +119,9 @@ def _resumed_third_update(deepspeed_config: str, out: Path, **options) -> tuple[
     updater.update(rollout, advantages(rollout))
     after_one = gathered(updater.engine.module)
     updater.update(rollout, advantages(rollout))
-    updater.engine.save_checkpoint(str(out / deepspeed_config), tag="two")
-    torch.save(updater.state_dict(), out / f"{deepspeed_config}_updater.pt")
+    _checkpoint(updater, out, name)
     updater.update(rollout, advantages(rollout))
-    resumed, _ = build(deepspeed_config, **options)
-    resumed.engine.load_checkpoint(str(out / deepspeed_config), tag="two")
-    resumed.load_state_dict(torch.load(out / f"{deepspeed_config}_updater.pt", weights_only=False))
+    resumed = _resumed(deepspeed_config, out, name, **options)
     resumed.update(rollout, advantages(rollout))
     return updater, start, after_one, gathered(resumed.engine.module)
 
@@ -121,7 +130,7 @@ def muon_scenario(out: Path) -> dict:
     """Muon under ZeRO-3: the first update's step on each matrix Muon trains, over the learning rate and Muon's
     aspect-ratio scale, as singular values (an orthogonalized step's are about 1; a clip norm taken over the updates
     divided them by it); what the auxiliary AdamW moved; and a resume after two updates against three straight."""
-    updater, start, after_one, resumed = _resumed_third_update("zero3", out, optimizer="muon")
+    updater, start, after_one, resumed = _resumed_third_update("zero3", out, "muon", optimizer="muon")
     module = updater.engine.module
     trained = {name: param for name, param in module.named_parameters() if param.requires_grad}
     learning_rate = updater.config.learning_rate
@@ -145,7 +154,7 @@ def muon_scenario(out: Path) -> dict:
 def offload_scenario(out: Path) -> dict:
     """The shipped zero3_offload config (DeepSpeedCPUAdam steps the host's fp32 partitions): a resume after two
     updates against three straight."""
-    updater, start, after_one, resumed = _resumed_third_update("zero3_offload", out)
+    updater, start, after_one, resumed = _resumed_third_update("zero3_offload", out, "offload")
     return {
         "weights_moved": max_difference(after_one, start),
         "resume_difference": max_difference(gathered(updater.engine.module), resumed),
