@@ -34,8 +34,10 @@ from typing import Any
 import requests
 from mlflow import MlflowClient
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
+from mlflow.environment_variables import MLFLOW_EXPERIMENT_NAME, MLFLOW_TRACKING_URI
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
+from mlflow.tracking.context.registry import resolve_tags
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_COMMIT, MLFLOW_GIT_DIRTY
 from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH, _validate_metric_name
 from pydantic import BaseModel, ConfigDict, Field
@@ -46,6 +48,7 @@ from core.secrets import MASK, is_secret_key, mask_uri
 log = logging.getLogger(__name__)
 
 BUFFER_FILE = "mlflow-buffer.jsonl"
+DEFAULT_EXPERIMENT = "sage-grpo"
 MAX_TAG_LENGTH = 5000  # what most stores accept
 # Set only where the operator has not: a failed request fails in seconds, and we retry from the buffer instead.
 FAIL_FAST_HTTP = {
@@ -59,14 +62,27 @@ class TrackingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = True
-    # None: the embedded store, sqlite:///<run_dir>/mlflow.db with artifacts in <run_dir>/mlflow-artifacts.
+    # None: MLFLOW_TRACKING_URI, else the embedded store, sqlite:///<run_dir>/mlflow.db with artifacts in
+    # <run_dir>/mlflow-artifacts.
     tracking_uri: str | None = None
-    experiment: str = "sage-grpo"
+    experiment: str | None = None  # None: MLFLOW_EXPERIMENT_NAME, else "sage-grpo"
     run_name: str | None = None
     retry_interval_s: float = Field(60.0, ge=0)  # during an outage, how often to try the server again
     # MLflow's system-metrics monitor (system/cpu_utilization_percentage, system/gpu_0_memory_usage_megabytes...)
     system_metrics: bool = True
     system_metrics_interval_s: float = Field(10.0, gt=0)
+
+    # The same order in every command (run, promote, schedule): the config, then MLflow's own environment variables,
+    # then the local default, so a job's environment can point it at a server without editing its config.
+    def server_uri(self) -> str | None:
+        """The tracking server the config or ``MLFLOW_TRACKING_URI`` names; None: the run's embedded store."""
+        return self.tracking_uri or MLFLOW_TRACKING_URI.get() or None
+
+    def resolved_uri(self, run_dir: str | Path) -> str:
+        return self.server_uri() or f"sqlite:///{(Path(run_dir) / 'mlflow.db').resolve()}"
+
+    def experiment_name(self) -> str:
+        return self.experiment or MLFLOW_EXPERIMENT_NAME.get() or DEFAULT_EXPERIMENT
 
 
 # --- Params: the resolved config, flattened and masked ---------------------------------------------------------
@@ -219,7 +235,7 @@ class Tracker:
 
     @property
     def tracking_uri(self) -> str:
-        return self.config.tracking_uri or f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}"
+        return self.config.resolved_uri(self.run_dir)
 
     # --- Public API --------------------------------------------------------------------------------------------
 
@@ -236,7 +252,9 @@ class Tracker:
         if not self.enabled:
             return None
         self._params = loggable_params(config)
-        self._tags = environment_tags()
+        # MLflow's fluent start_run infers mlflow.user and mlflow.source.name/type (the UI's User and Source); a run
+        # created through the client gets them only from the same context providers.
+        self._tags = resolve_tags(environment_tags())
         self._resume_id = run_id
         self._identity = identity
         self._sync()
@@ -439,12 +457,13 @@ class Tracker:
         return run_id
 
     def _experiment_id(self) -> str:
-        experiment = self._client.get_experiment_by_name(self.config.experiment)
+        name = self.config.experiment_name()
+        experiment = self._client.get_experiment_by_name(name)
         if experiment is not None:
             return experiment.experiment_id
         # The embedded store would otherwise put artifacts in ./mlruns of whatever directory the job started in.
-        location = None if self.config.tracking_uri else (self.run_dir / "mlflow-artifacts").resolve().as_uri()
-        return self._client.create_experiment(self.config.experiment, artifact_location=location)
+        location = None if self.config.server_uri() else (self.run_dir / "mlflow-artifacts").resolve().as_uri()
+        return self._client.create_experiment(name, artifact_location=location)
 
     def _log_params(self) -> None:
         existing = self._client.get_run(self.run_id).data.params

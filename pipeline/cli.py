@@ -292,6 +292,7 @@ def _add_promote(subparsers) -> None:
         help="run config YAML: its registry section (model name, primary metric, margin, "
         "guards) and tracking URI are the gate's defaults; the flags below win",
     )
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="overrides of --config, as for run")
     parser.add_argument("--model", help="registered model name (default: the config's registry.model_name)")
     parser.add_argument("--version", help="model version to judge (default: the challenger)")
     parser.add_argument("--primary-metric", help="default: registry.primary_metric, eval/reward")
@@ -305,7 +306,10 @@ def _add_promote(subparsers) -> None:
         help="largest allowed drop of a metric; repeatable (default: registry.guards)",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the decision, change nothing")
-    parser.add_argument("--tracking-uri", help="MLflow server (default: tracking.tracking_uri, MLFLOW_TRACKING_URI)")
+    parser.add_argument(
+        "--tracking-uri",
+        help="MLflow server (default: tracking.tracking_uri, then MLFLOW_TRACKING_URI, then the config's run store)",
+    )
     parser.set_defaults(handler=_promote)
 
 
@@ -313,9 +317,12 @@ def _promote(args) -> int:
     from mlflow import MlflowClient
 
     from core.registry import promote
+    from core.tracking import TrackingConfig
     from pipeline.config import RegistryConfig, load_run_config
 
-    config = load_run_config(args.config) if args.config else None
+    if args.overrides and not args.config:
+        raise UserError(f"promote: overrides need a --config to apply to: {' '.join(args.overrides)}")
+    config = load_run_config(args.config, list(args.overrides)) if args.config else None
     settings = config.registry if config else RegistryConfig()
     model = args.model or settings.model_name
     if not model:
@@ -323,7 +330,14 @@ def _promote(args) -> int:
     margin = settings.margin if args.margin is None else args.margin
     if not margin >= 0:
         raise UserError(f"--margin must be >= 0, got {margin}")
-    tracking_uri = args.tracking_uri or (config.tracking.tracking_uri if config else None)
+    if args.tracking_uri:
+        tracking_uri = args.tracking_uri
+    elif config:
+        tracking_uri = config.tracking.resolved_uri(config.output_dir)
+    else:  # MLflow's own default would be ./mlflow.db in whatever directory this was started from
+        tracking_uri = TrackingConfig().server_uri()
+        if not tracking_uri:
+            raise UserError("promote needs --tracking-uri, MLFLOW_TRACKING_URI or a --config naming the registry")
     decision = promote(
         MlflowClient(tracking_uri=tracking_uri),
         model,

@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 from core import distributed
+from core.progress import DISABLE_ENV
 from core.secrets import mask_uri
 from pipeline.config import RunConfig, load_run_config
 
@@ -35,8 +36,10 @@ THIRD_PARTY = (
 def setup_logging(verbosity: int = 0) -> None:
     """INFO from rank 0, warnings from the others. At verbosity 0 the libraries above log warnings only and their own
     Python warnings are hidden; a user's reward package keeps its warnings. ``-v`` shows everything, ``-q`` only
-    warnings and errors from the pipeline too."""
+    warnings and errors from the pipeline too, and no progress bars."""
     main_level = logging.INFO if verbosity >= 0 else logging.WARNING
+    if verbosity < 0:
+        os.environ[DISABLE_ENV] = "1"  # tqdm's own switch: read by core.progress, inherited by child processes
     level = main_level if int(os.environ.get("RANK", 0)) == 0 else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -57,13 +60,16 @@ def setup_logging(verbosity: int = 0) -> None:
 def run_command(
     config_path: str, overrides: list[str], *, resume: str | None, fresh_start: bool = False, verbosity: int = 0
 ) -> int:
-    config = load_run_config(config_path, overrides)
-    setup_logging(verbosity)
-    from pipeline.recipe import SageGRPORecipe
+    # The summary is the only stdout: DeepSpeed prints its op builds there, and its logger writes to the stdout it
+    # finds at import (its accelerator warning among the first lines), so it is imported in here too.
+    with contextlib.redirect_stdout(sys.stderr):
+        config = load_run_config(config_path, overrides)
+        setup_logging(verbosity)
+        from pipeline.recipe import SageGRPORecipe
 
-    recipe = SageGRPORecipe(config)
-    recipe.setup(resume=resume, fresh_start=fresh_start)
-    summary = recipe.train()
+        recipe = SageGRPORecipe(config)
+        recipe.setup(resume=resume, fresh_start=fresh_start)
+        summary = recipe.train()
     if distributed.is_main():
         print(_summary_text(config, summary), flush=True)
     return summary.exit_code

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from core import distributed
@@ -34,6 +33,7 @@ from core.errors import RETRYABLE_EXIT_CODE, UserError
 from core.files import atomic_write_text
 from core.lora import add_lora
 from core.models import build_adapter
+from core.progress import progress_bar
 from core.tracking import Tracker, masked_config
 from pipeline.checkpointer import Checkpointer, RNGState
 from pipeline.config import RunConfig
@@ -244,12 +244,11 @@ class SageGRPORecipe:
     def _train(self) -> RunSummary:
         config, progress = self.config, self.progress
         status, started = "completed", time.monotonic()
-        bar = tqdm(
+        bar = progress_bar(
             total=config.run.max_iterations,
             initial=progress.iteration,
             desc="iterations",
             unit="it",
-            disable=not distributed.is_main(),
             dynamic_ncols=True,
         )
         with preemption_signals(config.run.preemption_grace_s) as preempted, bar, logging_redirect_tqdm():

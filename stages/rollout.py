@@ -29,9 +29,9 @@ from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from tqdm.auto import tqdm
 
 from core.models.base import PromptEmbeddings, VideoModelAdapter
+from core.progress import progress_bar
 from core.sde import SDEStepOutput, check_eta, flow_match_sigmas, gaussian_log_prob, noise_stds, sde_step
 
 
@@ -186,9 +186,7 @@ def generate(
     generators = [torch.Generator().manual_seed(s) for s in seeds]
     batches = list(torch.arange(len(prompt_index)).split(batch_size))
 
-    bar = tqdm(
-        total=len(batches) * sde_config.steps, desc="rollout", leave=False, disable=not (progress and _is_main_rank())
-    )
+    bar = progress_bar(enabled=progress, total=len(batches) * sde_config.steps, desc="rollout", leave=False)
     chains, decoded = [], []
     for batch in batches:
         chain = _denoise(
@@ -312,8 +310,3 @@ def recompute_log_probs(
         log_probs=torch.cat([torch.stack([s.log_prob for s in row], dim=1) for row in scored]),
         means=torch.cat([torch.stack([s.mean for s in row], dim=1) for row in scored]),
     )
-
-
-def _is_main_rank() -> bool:
-    distributed = torch.distributed
-    return not (distributed.is_available() and distributed.is_initialized()) or distributed.get_rank() == 0

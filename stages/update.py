@@ -38,7 +38,6 @@ from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from tqdm.auto import tqdm
 
 from core import distributed, flops, sde
 from core.errors import UserError
@@ -52,6 +51,7 @@ from core.grpo import (
     group_advantages,
     stepwise_kl,
 )
+from core.progress import progress_bar
 from core.schedules import LRSchedule, lr_multiplier
 from core.trust_region import KLStrategy, TrustRegion
 from stages.anchor import Anchor
@@ -766,13 +766,8 @@ class Updater:
             )
         totals, skipped = _Totals(), 0
         measure = RATIO_ATTEMPTS if self._ratio_due() else 0
-        bar = tqdm(
-            total=sum(map(len, minibatches)),
-            desc="update",
-            unit="step",
-            leave=False,
-            dynamic_ncols=True,
-            disable=not distributed.is_main(),
+        bar = progress_bar(
+            total=sum(map(len, minibatches)), desc="update", unit="step", leave=False, dynamic_ncols=True
         )
         for micro_steps in minibatches:
             if self.lagged is not None:
@@ -948,6 +943,9 @@ class Updater:
         metrics["lambda_kl"] = self.controller.value
         grad_norm = self.engine.get_global_grad_norm()
         metrics["grad_norm"] = float("nan") if grad_norm is None else float(grad_norm)
+        # As HF Trainer and torchtune log it: the scheduler's rate after this iteration's updates (the next update's),
+        # read where DeepSpeed's engine.get_lr() reads it.
+        metrics["learning_rate"] = float(self.engine.optimizer.param_groups[0]["lr"])
         trained = weights[rollout.trained_steps.cpu()]
         metrics["equalizer_min"], metrics["equalizer_max"] = float(trained.min()), float(trained.max())
         metrics["skipped"] = float(skipped)
