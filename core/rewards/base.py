@@ -86,25 +86,36 @@ def metadata_columns(metadata: Sequence[Mapping] | None, batch_size: int) -> Col
 
 @dataclass(frozen=True)
 class MetadataParameters:
-    """Which metadata columns a reward's ``__call__`` takes: every one (``**kwargs``) or the ones it names."""
+    """Which metadata columns a reward's ``__call__`` takes: every one (``**kwargs``) or the ones it names.
+
+    ``filled`` are the names of the parameters a call fills by position (``self``, ``videos``, ``prompts`` under
+    whatever names the reward gives them): a column by one of these names cannot reach ``**kwargs`` (Python raises
+    "got multiple values for argument"), so it is not passed."""
 
     takes_all: bool
     named: frozenset[str]
     required: frozenset[str]
+    filled: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, reward) -> MetadataParameters:
+        # ``signature`` leaves out a method's instance parameter, yet a keyword by its name collides with it: read
+        # the function under the bound method, whose first parameter is that instance.
+        method = reward if inspect.ismethod(reward) else reward.__call__
+        function, bound = (method.__func__, 1) if inspect.ismethod(method) else (reward, 0)
         try:
-            parameters = list(inspect.signature(reward).parameters.values())
+            parameters = list(inspect.signature(function).parameters.values())
         except (TypeError, ValueError):  # no introspectable signature (a C callable): the plain contract
             return cls(False, frozenset(), frozenset())
-        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        keywords = [p for p in parameters if p.kind in positional][len(POSITIONAL) :]
-        keywords += [p for p in parameters if p.kind == inspect.Parameter.KEYWORD_ONLY]
+        positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        keywords = positional[bound + len(POSITIONAL) :] + [p for p in parameters if p.kind == p.KEYWORD_ONLY]
         return cls(
-            takes_all=any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters),
+            takes_all=any(p.kind == p.VAR_KEYWORD for p in parameters),
             named=frozenset(p.name for p in keywords),
-            required=frozenset(p.name for p in keywords if p.default is inspect.Parameter.empty),
+            required=frozenset(p.name for p in keywords if p.default is p.empty),
+            filled=frozenset(
+                p.name for p in positional[: bound + len(POSITIONAL)] if p.kind == p.POSITIONAL_OR_KEYWORD
+            ),
         )
 
     def select(self, columns: Columns, reward_name: str) -> Columns:
@@ -116,7 +127,9 @@ class MetadataParameters:
                 f"reward {reward_name!r} needs the prompt column(s) {', '.join(missing)}, which the "
                 f"prompts lack (their columns: {have}); use a .jsonl or .csv source with them"
             )
-        return dict(columns) if self.takes_all else {k: v for k, v in columns.items() if k in self.named}
+        if self.takes_all:
+            return {k: v for k, v in columns.items() if k not in self.filled}
+        return {k: v for k, v in columns.items() if k in self.named}
 
 
 def slice_columns(columns: Columns, start: int, stop: int) -> Columns:

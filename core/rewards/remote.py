@@ -65,8 +65,9 @@ class RemoteReward:
         self._max_body: int | None = None
         self._shown_url = mask_uri(self.url)  # for messages: a URL may carry user:password
 
-    def __call__(self, videos: VideoBatch, prompts: list[str], **columns: list) -> Scores:
-        """``columns``: the prompts' metadata columns, sent along for the server's rewards that take them."""
+    def __call__(self, videos: VideoBatch, prompts: list[str], /, **columns: list) -> Scores:
+        """``columns``: the prompts' metadata columns, sent along for the server's rewards that take them (the
+        arguments before them are positional-only, so a column may be named ``self`` too)."""
         starts = range(0, len(videos), self.batch_size)
         batches = [
             (

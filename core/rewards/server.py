@@ -1,38 +1,49 @@
 """``serve-reward CONFIG --port P``: serve configured rewards over HTTP for the ``remote`` reward.
 
-Endpoints: ``GET /health`` -> ``{"status": "ok", "rewards": [names], "max_body_bytes": N}`` (open, for probes);
-``POST /score`` with a safetensors request (see ``wire``) -> ``{"dimensions": {...}}`` with every reward's raw,
-unweighted dimensions (the client weighs them). Each reward gets the request's prompt columns it takes (keyword
-arguments, as in process); a request lacking a column a reward requires is answered 422 naming it.
+Endpoints: ``GET /health`` -> ``{"status": "ok", "rewards": [names], "max_body_bytes": N}`` (open, for probes; 503
+with ``"status": "unhealthy"`` and the reason while the server cannot score); ``POST /score`` with a safetensors
+request (see ``wire``) -> ``{"dimensions": {...}}`` with every reward's raw, unweighted dimensions (the client weighs
+them). Each reward gets the request's prompt columns it takes (keyword arguments, as in process); a request lacking a
+column a reward requires is answered 422 naming it.
 
 A shared service that treats every request as untrusted data (``ServerSettings`` holds the bounds):
 - it binds loopback unless told otherwise, and never unpickles;
-- at most ``workers`` connections are handled at once (a fixed thread pool); one more is answered 503 at once and
-  the client retries, so slow or idle connections cannot grow threads or memory without bound;
-- a request must arrive whole within ``read_timeout_s`` (headers and body together: a client that trickles bytes is
-  cut), and ``Content-Length`` is checked against ``max_body_mb`` before anything is read;
-- with a token configured, ``/score`` needs ``Authorization: Bearer <token>`` (compared in constant time);
+- one asyncio loop receives every request, which must arrive whole (request line, headers and body) within
+  ``read_timeout_s``: an idle, trickling or unauthenticated client holds a coroutine and the bytes it sent, never a
+  worker; at most ``max_connections`` are open at once (one more is answered 503 at once);
+- ``Content-Length`` is checked against ``max_body_mb`` before the body is read, and the bodies held (received or
+  being scored) stay within ``workers x max_body_mb`` together (503 beyond);
+- with a token configured, ``/score`` needs ``Authorization: Bearer <token>`` (compared in constant time) before its
+  body is read;
+- a whole request to score is handed to one of ``workers`` threads; with every one busy it is answered 503 at once
+  and the client retries; everything else (health, refusals) is answered on the loop;
 - every bad request is answered 4xx with one log line, never a traceback; a reward that raises answers 500 (the
-  client retries) and one that does not finish within ``request_timeout_s`` answers 503.
-Rewards run on one scoring thread (GPU reward models are not thread-safe); requests that wait for it together are
-merged into one batch of up to ``max_batch`` videos (the reward contract scores each video on its own, so merging
-changes no score) and each client gets its own slice back.
+  client retries).
+Rewards run one call at a time (GPU reward models are not thread-safe); requests that wait for the scorer together
+are merged into one batch of up to ``max_batch`` videos (the reward contract scores each video on its own, so merging
+changes no score) and each client gets its own slice back. A call that outlives ``request_timeout_s`` is abandoned
+(Python cannot stop a thread): its clients get 503, ``/health`` answers 503, and a fresh set of rewards is built for
+what follows, since the old set is still inside that call. Abandoned calls still running hold their rewards' memory:
+with more than ``max_hung_calls`` of them the server stays unhealthy until one returns (or a supervisor that probes
+``/health`` replaces it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
-import contextlib
 import hmac
+import http.client
+import io
 import json
 import logging
 import socket
-import sys
 import threading
-import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -65,6 +76,8 @@ class ServerSettings(BaseModel):
     read_timeout_s: float = Field(60.0, gt=0)  # to receive one whole request
     request_timeout_s: float = Field(600.0, gt=0)  # to score one request, waiting for the scorer included
     max_batch: int = Field(32, ge=1)  # videos per merged reward call (a bigger single request is scored alone)
+    max_connections: int = Field(512, ge=1)  # open at once, requests still arriving included
+    max_hung_calls: int = Field(2, ge=0)  # abandoned reward calls still running before the server stays unhealthy
     token_env: str | None = None  # environment variable holding the bearer token clients must send
     token_file: str | None = None  # or a file holding it (a mounted secret)
 
@@ -126,19 +139,38 @@ def _merged_columns(jobs: list[_Job]) -> Columns:
     return {name: [v for job in jobs for v in job.columns.get(name, [None] * len(job.prompts))] for name in names}
 
 
-class Batcher:
-    """One scoring thread; requests queued while it works are merged (same fps, up to ``max_batch`` videos)."""
+class CannotScore(RuntimeError):
+    """The request's reward call was abandoned (it outlived its timeout), or no rewards are ready to score: 503."""
 
-    def __init__(self, service: RewardService, max_batch: int):
-        self.service, self.max_batch = service, max_batch
+
+class Batcher:
+    """One reward call at a time; requests queued while it runs are merged (same fps, up to ``max_batch`` videos).
+
+    Each call runs in its own thread, waited on for ``call_timeout_s``; one that outlives it is abandoned and the
+    rewards are rebuilt with ``build_service`` (see the module docstring). ``problem`` says why nothing can be scored
+    now (None when healthy).
+    """
+
+    def __init__(
+        self,
+        build_service: Callable[[], RewardService],
+        max_batch: int,
+        call_timeout_s: float,
+        max_hung_calls: int,
+    ):
+        self._build_service, self.max_batch = build_service, max_batch
+        self.call_timeout_s, self.max_hung_calls = call_timeout_s, max_hung_calls
+        self.service = build_service()
+        self.problem: str | None = None
+        self._hung: list[threading.Thread] = []
         self._queue: collections.deque[_Job] = collections.deque()
         self._ready = threading.Condition()
-        threading.Thread(target=self._run, name="reward-scorer", daemon=True).start()
+        threading.Thread(target=self._run, name="reward-dispatcher", daemon=True).start()
 
     def submit(self, request: ScoringRequest) -> Future:
         job = _Job(request)
         with self._ready:
-            # Jobs whose clients timed out leave now, not when a hung reward returns: the queue (and the videos it
+            # Jobs whose clients timed out leave now, not when a slow call returns: the queue (and the videos it
             # holds) stays bounded by the requests actually waiting, at most one per worker.
             for stale in [queued for queued in self._queue if queued.future.cancelled()]:
                 self._queue.remove(stale)
@@ -166,14 +198,23 @@ class Batcher:
             return batch
 
     def _score(self, jobs: list[_Job]) -> None:
+        if self.problem is not None:  # the rewards could not be rebuilt: nothing can score these
+            for job in jobs:
+                job.future.set_exception(CannotScore(self.problem))
+            return
         videos = VideoBatch([video for job in jobs for video in job.videos], jobs[0].videos.fps)
-        try:
-            dimensions = self.service.score(
-                videos, [prompt for job in jobs for prompt in job.prompts], _merged_columns(jobs)
-            )
-        except Exception as error:  # noqa: BLE001 (a user reward may raise anything; the handler reports it)
+        prompts = [prompt for job in jobs for prompt in job.prompts]
+        outcome: dict[str, object] = {}
+        call = threading.Thread(
+            target=_call, args=(self.service, outcome, videos, prompts, _merged_columns(jobs)), daemon=True
+        )
+        call.start()
+        call.join(self.call_timeout_s)
+        if call.is_alive():
+            return self._abandon(call, jobs)
+        if "error" in outcome:
             if len(jobs) == 1:
-                jobs[0].future.set_exception(error)
+                jobs[0].future.set_exception(outcome["error"])
                 return
             for job in jobs:  # one client's videos must not fail the others' requests: score each alone
                 self._score([job])
@@ -181,48 +222,50 @@ class Batcher:
         start = 0
         for job in jobs:
             end = start + len(job.videos)
-            job.future.set_result({name: values[start:end] for name, values in dimensions.items()})
+            job.future.set_result({name: values[start:end] for name, values in outcome["dimensions"].items()})
             start = end
 
+    def _abandon(self, call: threading.Thread, jobs: list[_Job]) -> None:
+        """Fail the hung call's jobs and score on with fresh rewards (the old ones are still inside that call)."""
+        for job in jobs:
+            job.future.set_exception(CannotScore(f"scoring did not finish within {self.call_timeout_s:g} s"))
+        self._hung = [thread for thread in self._hung if thread.is_alive()] + [call]
+        logger.error(
+            "a reward call on %d videos did not finish within %g s: abandoned (%d abandoned calls still running), "
+            "rebuilding the rewards",
+            sum(len(job.videos) for job in jobs),
+            self.call_timeout_s,
+            len(self._hung),
+        )
+        while len(self._hung) > self.max_hung_calls:
+            self.problem = (
+                f"{len(self._hung)} abandoned reward calls still running (max_hung_calls={self.max_hung_calls})"
+            )
+            self._hung[0].join(1.0)
+            self._hung = [thread for thread in self._hung if thread.is_alive()]
+        self.problem = "rebuilding the rewards after a reward call hung"
+        try:
+            self.service = self._build_service()
+        except Exception as error:  # noqa: BLE001 (unhealthy for good, said in one line; /health reports it)
+            self.problem = f"rebuilding the rewards failed: {_one_line(error)}"
+            logger.error("%s", self.problem)
+            return
+        self.problem = None
+        logger.info("rewards rebuilt; scoring again")
 
-class _Watchdog:
-    """Cuts a connection whose request has not fully arrived by its deadline (a client trickling bytes resets a
-    per-read socket timeout forever; this bounds the whole request). Cutting = shutting the socket's read side,
-    which makes the handler's blocked read return at once with what it has."""
 
-    def __init__(self, tick_s: float):
-        self._deadlines: dict[socket.socket, float] = {}
-        self._cut: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._tick_s = tick_s
-        threading.Thread(target=self._run, name="reward-watchdog", daemon=True).start()
+def _call(service: RewardService, outcome: dict, videos: VideoBatch, prompts: list[str], columns: Columns) -> None:
+    """One reward call, its dimensions or error left in ``outcome`` (the thread that made it may be abandoned)."""
+    try:
+        outcome["dimensions"] = service.score(videos, prompts, columns)
+    except Exception as error:  # noqa: BLE001 (a user reward may raise anything; the handler reports it)
+        outcome["error"] = error
+    except BaseException as error:  # noqa: BLE001 (sys.exit in a reward fails its request, not the scorer)
+        outcome["error"] = RuntimeError(f"the reward raised {type(error).__name__}: {error}")
 
-    def watch(self, connection: socket.socket, seconds: float) -> None:
-        with self._lock:
-            self._deadlines[connection] = time.monotonic() + seconds
 
-    def is_cut(self, connection: socket.socket) -> bool:
-        with self._lock:
-            return connection in self._cut
-
-    def release(self, connection: socket.socket) -> bool:
-        """Stop watching; True when the connection had been cut."""
-        with self._lock:
-            self._deadlines.pop(connection, None)
-            cut = connection in self._cut
-            self._cut.discard(connection)
-            return cut
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(self._tick_s)
-            now = time.monotonic()
-            with self._lock:
-                for connection in [c for c, deadline in self._deadlines.items() if deadline < now]:
-                    del self._deadlines[connection]
-                    self._cut.add(connection)
-                    with contextlib.suppress(OSError):  # already closed by the client
-                        connection.shutdown(socket.SHUT_RD)
+def _one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}".splitlines()[0][:500]
 
 
 class _Refused(Exception):
@@ -231,49 +274,106 @@ class _Refused(Exception):
         self.status = status
 
 
+_MAX_LINE = 65536  # a request or header line (http.server's own bound)
+_MAX_HEAD = 65536  # the request line and headers together
+
+
+async def _read_head(reader: asyncio.StreamReader) -> bytes:
+    """The request line and headers through the blank line that ends them, or what came before the client stopped."""
+    head = b""
+    while True:
+        try:
+            line = await reader.readline()
+        except ValueError:  # a line past the stream's limit
+            raise _Refused(431, f"a request or header line longer than {_MAX_LINE} bytes") from None
+        head += line
+        if len(head) > _MAX_HEAD:
+            raise _Refused(431, f"request line and headers longer than {_MAX_HEAD} bytes")
+        if line in (b"", b"\r\n", b"\n"):
+            return head
+
+
+def _check_token(headers, token: str | None) -> None:
+    if token is None:
+        return
+    sent = headers.get("Authorization", "")
+    # compare_digest: the time taken does not reveal how much of a guessed token was right.
+    if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+        raise _Refused(401, "missing or wrong bearer token")
+
+
+def _declared_length(headers, limit: int) -> int:
+    raw = headers.get("Content-Length")
+    if raw is None:
+        raise _Refused(411, "Content-Length is required")
+    try:
+        length = int(raw)
+    except ValueError:
+        raise _Refused(400, f"Content-Length {raw[:40]!r} is not a number") from None
+    if not 0 <= length <= limit:
+        raise _Refused(413 if length > limit else 400, f"body of {length} bytes (the limit is {limit})")
+    return length
+
+
+def _response(status: int, payload: dict) -> bytes:
+    """A whole HTTP/1.0 answer, for what is answered before (or instead of) a handler."""
+    body = json.dumps(payload).encode()
+    retry = "Retry-After: 1\r\n" if status == 503 else ""
+    head = (
+        f"HTTP/1.0 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n{retry}"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
 class _Handler(BaseHTTPRequestHandler):
+    """Answers one request that has arrived whole: it reads the request from memory and writes its answer to memory
+    (the server's loop does the network I/O), so it never waits on a client."""
+
     server: RewardHTTPServer
-    _status: int | None = None
     # Answer even a garbled request line with a status line (HTTP/0.9 answers have none; no client speaks it).
     default_request_version = "HTTP/1.0"
 
+    @classmethod
+    def answer(cls, head: bytes, body: bytes, client: str, server: RewardHTTPServer) -> bytes:
+        try:
+            return cls((head, body), (client, 0), server).wfile.getvalue()
+        except Exception as error:  # noqa: BLE001 (a bug of ours costs one line and a 500, not the connection)
+            logger.error("answering a request from %s failed: %s", client, _one_line(error))
+            return _response(500, {"error": "internal error"})
+
     def setup(self) -> None:
-        self.timeout = self.server.settings.read_timeout_s  # per socket read and write; the watchdog bounds the sum
-        super().setup()
-        self.server.watchdog.watch(self.connection, self.server.settings.read_timeout_s)
+        head, self.body = self.request
+        self.rfile, self.wfile = io.BytesIO(head), io.BytesIO()
 
-    def finish(self) -> None:
-        if self.server.watchdog.release(self.connection) and self._status is None:
-            self._log_refusal(408, f"request not received within {self.server.settings.read_timeout_s:g} s")
-        super().finish()
-
-    def parse_request(self) -> bool:
-        # A request the watchdog cut arrives truncated: answer what happened (408), not what the fragment looks like.
-        parsed = not self.server.watchdog.is_cut(self.connection) and super().parse_request()
-        if not self.server.watchdog.is_cut(self.connection):
-            return parsed
-        if self._status is None:
-            self.send_error(408, f"request not received within {self.server.settings.read_timeout_s:g} s")
-        return False
+    def finish(self) -> None:  # the answer stays in wfile for the server to send
+        pass
 
     def do_GET(self):
         if self.path != "/health":
             return self._refuse(404, f"no such path {self.path}")
+        problem = self.server.batcher.problem
         self._reply(
-            200,
+            200 if problem is None else 503,
             {
-                "status": "ok",
-                "rewards": self.server.service.names(),
+                "status": "ok" if problem is None else "unhealthy",
+                "rewards": self.server.batcher.service.names(),
                 "max_body_bytes": self.server.settings.max_body_bytes,
-            },
+            }
+            | ({} if problem is None else {"reason": problem}),
         )
 
     def do_POST(self):
         try:
             if self.path != "/score":
                 raise _Refused(404, f"no such path {self.path}")
-            self._check_token()
-            request = decode_request(self._read_body())
+            _check_token(self.headers, self.server.token)
+            length = _declared_length(self.headers, self.server.settings.max_body_bytes)
+            if len(self.body) < length:  # the client stopped sending
+                raise _Refused(408, f"body not received ({len(self.body)} of {length} bytes)")
+            if self.server.batcher.problem is not None:
+                raise _Refused(503, f"cannot score now: {self.server.batcher.problem}")
+            request = decode_request(self.body)
             self.server.batcher.service.check_columns(request.columns)
         except _Refused as refusal:
             return self._refuse(refusal.status, str(refusal))
@@ -283,52 +383,19 @@ class _Handler(BaseHTTPRequestHandler):
             return self._refuse(422, str(error))
         self._score(request)
 
-    def _check_token(self) -> None:
-        token = self.server.token
-        if token is None:
-            return
-        sent = self.headers.get("Authorization", "")
-        # compare_digest: the time taken does not reveal how much of a guessed token was right.
-        if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
-            raise _Refused(401, "missing or wrong bearer token")
-
-    def _read_body(self) -> bytes:
-        raw = self.headers.get("Content-Length")
-        if raw is None:
-            raise _Refused(411, "Content-Length is required")
-        try:
-            length = int(raw)
-        except ValueError:
-            raise _Refused(400, f"Content-Length {raw[:40]!r} is not a number") from None
-        limit = self.server.settings.max_body_bytes
-        if not 0 <= length <= limit:
-            raise _Refused(413 if length > limit else 400, f"body of {length} bytes (the limit is {limit})")
-        try:
-            body = self.rfile.read(length)
-        except OSError as error:  # the per-read timeout, or a reset
-            raise _Refused(408, f"body not received: {error}") from None
-        if len(body) < length:
-            raise _Refused(
-                408,
-                f"body not received within {self.server.settings.read_timeout_s:g} s ({len(body)} of {length} bytes)",
-            )
-        self.server.watchdog.release(self.connection)  # the request is in; scoring has its own bound
-        return body
-
     def _score(self, request: ScoringRequest) -> None:
         videos = request.videos
         future = self.server.batcher.submit(request)
         timeout = self.server.settings.request_timeout_s
         try:
             dimensions = future.result(timeout=timeout)
-        except FutureTimeout:
+        except (FutureTimeout, CannotScore) as error:
             future.cancel()  # still queued: never scored; already running: its result is dropped
-            logger.error(
-                "scoring %d videos did not finish within %g s (a reward is slow or hangs)", len(videos), timeout
-            )
-            return self._reply(503, {"error": f"scoring did not finish within {timeout:g} s"})
+            reason = str(error) or f"scoring did not finish within {timeout:g} s"
+            logger.error("scoring %d videos: %s", len(videos), reason)
+            return self._reply(503, {"error": reason})
         except Exception as error:  # noqa: BLE001 (a failing reward: the server's problem, one line, retried)
-            message = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+            message = _one_line(error)
             logger.error("scoring %d videos failed: %s", len(videos), message)
             logger.debug("scoring failure", exc_info=error)
             return self._reply(500, {"error": message})
@@ -336,7 +403,6 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _refuse(self, status: int, reason: str) -> None:
         self._log_refusal(status, reason)
-        self.close_connection = True  # an unread body may still follow; never parse it as the next request
         self._reply(status, {"error": reason})
 
     def _log_refusal(self, status: int, reason: str) -> None:
@@ -351,13 +417,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _send(self, status: int, body: bytes) -> None:
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
+        if status == 503:
+            self.send_header("Retry-After", "1")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
-
-    def send_response(self, code, message=None):
-        self._status = code
-        super().send_response(code, message)
 
     def log_error(self, format, *args):  # http.server's own refusals (bad request line, headers): one line
         logger.warning("refused request from %s: %s", self.client_address[0], format % args)
@@ -366,71 +430,110 @@ class _Handler(BaseHTTPRequestHandler):
         logger.debug(format, *args)
 
 
-class RewardHTTPServer(HTTPServer):
-    """An HTTP server with a fixed pool of ``workers`` connection handlers; see the module docstring."""
+class RewardHTTPServer:
+    """Receives requests on one asyncio loop and answers them with ``_Handler``; see the module docstring."""
 
-    request_queue_size = 128  # the listen backlog: connections the kernel holds before one is accepted
-
-    def __init__(self, address: tuple[str, int], service: RewardService, settings: ServerSettings):
+    def __init__(self, address: tuple[str, int], batcher: Batcher, settings: ServerSettings):
         self.token = read_secret(settings.token_env, settings.token_file, what="reward server token")
-        self.service, self.settings = service, settings
-        super().__init__(address, _Handler)
-        self.batcher = Batcher(service, settings.max_batch)
-        self.watchdog = _Watchdog(tick_s=min(0.25, settings.read_timeout_s / 4))
+        self.batcher, self.settings = batcher, settings
+        self.socket = socket.create_server(address, backlog=128)
+        self.server_address = self.socket.getsockname()
         self._pool = ThreadPoolExecutor(settings.workers, thread_name_prefix="reward-http")
-        self._slots = threading.BoundedSemaphore(settings.workers)
+        # Touched by the loop's thread only.
+        self._connections = self._scoring = self._held_bytes = 0
 
-    def process_request(self, request, client_address) -> None:
-        if not self._slots.acquire(blocking=False):
-            return self._refuse_busy(request, client_address)
-        self._pool.submit(self._handle, request, client_address)
-
-    def _handle(self, request, client_address) -> None:
-        try:
-            self.finish_request(request, client_address)
-        except Exception:  # noqa: BLE001 (a client that vanished mid-answer; logged in one line)
-            self.handle_error(request, client_address)
-        finally:
-            self.shutdown_request(request)
-            self._slots.release()
-
-    def _refuse_busy(self, request: socket.socket, client_address) -> None:
-        logger.warning("refused connection from %s: 503 all %d workers busy", client_address[0], self.settings.workers)
-        body = json.dumps({"error": f"all {self.settings.workers} workers are busy"}).encode()
-        try:
-            request.settimeout(1.0)
-            request.sendall(
-                b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-                + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
-        except OSError:
-            pass
-        self.shutdown_request(request)
-
-    def handle_error(self, request, client_address) -> None:
-        # socketserver prints a full traceback here; a client that hung up is not worth one.
-        error = sys.exc_info()[1]
-        logger.warning(
-            "connection from %s failed: %s: %s",
-            client_address[0],
-            type(error).__name__,
-            str(error).splitlines()[0][:200] if str(error) else "",
-        )
+    def serve_forever(self) -> None:
+        asyncio.run(self._serve())
 
     def server_close(self) -> None:
-        super().server_close()
+        self.socket.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _serve(self) -> None:
+        server = await asyncio.start_server(self._connection, sock=self.socket, limit=_MAX_LINE + 2, backlog=128)
+        async with server:
+            await server.serve_forever()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        client = (writer.get_extra_info("peername") or ("-",))[0]
+        self._connections += 1
+        try:
+            if self._connections > self.settings.max_connections:
+                answer = self._refusal(client, 503, f"all {self.settings.max_connections} connections are open")
+            else:
+                answer = await self._answer(reader, client)
+            writer.write(answer)
+            async with asyncio.timeout(self.settings.read_timeout_s):  # a client that does not read its answer
+                await writer.drain()
+        except (OSError, TimeoutError) as error:
+            logger.warning("connection from %s failed: %s", client, _one_line(error))
+        finally:
+            self._connections -= 1
+            writer.close()
+
+    async def _answer(self, reader: asyncio.StreamReader, client: str) -> bytes:
+        settings, held, chunks = self.settings, 0, []
+        try:
+            async with asyncio.timeout(settings.read_timeout_s):
+                head = await _read_head(reader)
+                length = self._body_length(head)
+                while held < length and (chunk := await reader.read(min(length - held, 2**20))):
+                    held += len(chunk)
+                    self._held_bytes += len(chunk)
+                    chunks.append(chunk)
+                    if self._held_bytes > settings.workers * settings.max_body_bytes:
+                        raise _Refused(503, "the request bodies held reach workers x max_body_mb")
+            if not length:  # nothing to score: answered at once, here
+                return _Handler.answer(head, b"", client, self)
+            if self._scoring >= settings.workers:
+                raise _Refused(503, f"all {settings.workers} workers are busy")
+            self._scoring += 1
+            try:
+                body = b"".join(chunks)
+                chunks.clear()
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(self._pool, _Handler.answer, head, body, client, self)
+            finally:
+                self._scoring -= 1
+        except TimeoutError:
+            return self._refusal(client, 408, f"request not received within {settings.read_timeout_s:g} s")
+        except _Refused as refusal:
+            return self._refusal(client, refusal.status, str(refusal))
+        finally:
+            self._held_bytes -= held
+
+    def _body_length(self, head: bytes) -> int:
+        """The body to read before answering: an authorized ``POST /score``'s valid Content-Length, else 0 (anything
+        else is answered from its head, and the body of a request that is refused is never read)."""
+        request_line, _, fields = head.partition(b"\n")
+        if request_line.split()[:2] != [b"POST", b"/score"]:
+            return 0
+        try:
+            headers = http.client.parse_headers(io.BytesIO(fields))
+            _check_token(headers, self.token)
+            return _declared_length(headers, self.settings.max_body_bytes)
+        except (http.client.HTTPException, _Refused):  # the handler answers what is wrong
+            return 0
+
+    @staticmethod
+    def _refusal(client: str, status: int, reason: str) -> bytes:
+        logger.warning("refused request from %s: %d %s", client, status, reason)
+        return _response(status, {"error": reason})
 
 
 def serve(specs: list[RewardSpec], host: str, port: int, device: str, settings: ServerSettings | None = None) -> None:
     """Build and set up the rewards, then serve until interrupted. Port 0 picks a free port; the chosen address is
     printed as ``serving rewards on http://HOST:PORT`` once the server accepts connections."""
     settings = settings or ServerSettings()
-    service = RewardService(specs)
-    service.setup(device)
+
+    def build_service() -> RewardService:
+        service = RewardService(specs)
+        service.setup(device)
+        return service
+
+    batcher = Batcher(build_service, settings.max_batch, settings.request_timeout_s, settings.max_hung_calls)
     try:
-        server = RewardHTTPServer((host, port), service, settings)
+        server = RewardHTTPServer((host, port), batcher, settings)
     except OSError as error:  # port taken, or an address this machine does not have
         raise UserError(f"cannot listen on {host}:{port}: {error.strerror}") from None
     auth = "token required" if server.token else "no token"

@@ -99,8 +99,10 @@ def _json_field(raw: dict, name: str, default):
         return default
     try:
         return json.loads(raw[name])
-    except json.JSONDecodeError:
-        raise BadRequest(f"metadata {name!r} is not JSON") from None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise BadRequest(f"metadata {name!r} is nested too deeply") from None
+    except ValueError as error:  # not JSON, or an integer longer than Python converts (4,300 digits)
+        raise BadRequest(f"metadata {name!r} is not JSON: {str(error)[:200]}") from None
 
 
 def encode_response(dimensions: Scores) -> bytes:
