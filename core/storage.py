@@ -219,12 +219,13 @@ class CheckpointConfig(BaseModel):
         uri = self.uri if self.uri is not None else str(Path(output_dir) / "checkpoints")
         if uri.startswith("s3://"):
             bucket, _, prefix = _canonical_location(uri)[len("s3://") :].partition("/")
-            backend = S3Backend(self._s3_client(), bucket, prefix, self._transfer_config())
+            backend = S3Backend(self.open_s3_client(), bucket, prefix, self._transfer_config())
         else:
             backend = LocalBackend(_local_path(uri))
         return CheckpointStore(backend, outage_retry_s=self.outage_retry_s)
 
-    def _s3_client(self):
+    def open_s3_client(self):
+        """A client with this section's endpoint, timeouts and retries (the scheduler's markers use it too)."""
         # The transfer manager runs max_concurrency requests at once; fewer pooled connections would serialise them.
         return s3_client(
             endpoint_url=self.endpoint_url,
@@ -911,7 +912,7 @@ class CheckpointStore:
             try:
                 return action()
             except _REMOTE_ERRORS as error:
-                if not _is_outage(error) or time.monotonic() + delay > deadline:
+                if not is_outage(error) or time.monotonic() + delay > deadline:
                     raise self._translate(error, what) from None
                 logger.warning(
                     "%s unreachable while %s (%s); retrying in %.0f s", self.uri, what, _one_line(error), delay
@@ -924,12 +925,13 @@ class CheckpointStore:
             delay = min(2 * delay, _RETRY_MAX_DELAY_S)
 
     def _translate(self, error: BaseException, what: str) -> Exception:
-        if _is_outage(error):
+        if is_outage(error):
             return StoreUnavailable(f"checkpoint store {self.uri} unavailable while {what}: {_one_line(error)}")
         return StorageError(f"checkpoint store {self.uri} refused {what}: {_one_line(error)}")
 
 
-def _is_outage(error: BaseException) -> bool:
+def is_outage(error: BaseException) -> bool:
+    """Whether an S3 error means "not now" (unreachable, throttled, bucket missing) rather than "no"."""
     if isinstance(error, ClientError):
         status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         return error.response.get("Error", {}).get("Code") in _OUTAGE_CODES or status >= 500

@@ -9,12 +9,16 @@ Layout under the checkpoint root (a local folder or ``s3://bucket/prefix``)::
 Steps: ``train`` runs ``sagegrpo run`` with ``registry.model_name`` set to ``--model`` and ``registry.promote=false``:
 a completed run evaluates its final policy on the held-out prompts, exports it and registers it as the model's
 ``challenger`` with the eval metrics as tags. ``promote`` then runs the gate of the config's ``registry`` section
-(primary metric, margin, guards) on the challenger against the ``champion``, on the config's tracking server. Runs
+(primary metric, margin, guards) on the challenger against the ``champion``, on the run's tracking server. Runs
 started before this layout also have an ``evaluate`` step marker; it is ignored (the run-end publish evaluates).
+Both steps run with this interpreter (``python -m``: cron's PATH need not hold the venv) and receive the same config,
+overrides and environment, so they resolve the same tracking server. The schedule's own S3 calls (markers, the
+prompts listing) use the run's S3 settings: ``checkpoint.*`` for the checkpoint root, ``data.s3_endpoint_url`` for
+the prompts; an unreachable store stops the schedule with exit 75 (retryable), nothing started.
 
-The registry outlives each run, so the config must name a shared MLflow server (``tracking.tracking_uri``); a run's
-embedded store would hold one version each day and promote every one of them. This is checked, with the rest of the
-config, before anything starts.
+The registry outlives each run, so the config must name a shared MLflow server (``tracking.tracking_uri`` or
+``MLFLOW_TRACKING_URI``); a run's embedded store would hold one version each day and promote every one of them. This
+is checked, with the rest of the config, before anything starts.
 
 Decision (``decide``, pure): an unfinished scheduled run is finished first, from its first step without a marker
 (training always passes ``--resume auto``, so a half-trained run continues from its newest committed checkpoint);
@@ -37,12 +41,20 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import date
+from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from core.errors import UserError
+from botocore.exceptions import BotoCoreError, ClientError
+
+from core.errors import StoreUnavailable, UserError
+from core.s3 import s3_client
+from core.secrets import mask_uri
+from core.storage import is_outage
 
 STEPS = ("train", "promote")
 RUN_PREFIX = "sage"
@@ -118,15 +130,14 @@ def decide(today: date, prompt_sets: list[str], runs: list[RunState]) -> Decisio
 
 
 class Store:
-    """Just enough of a file system for markers: a local folder or an S3 prefix."""
+    """Just enough of a file system for markers: a local folder or an S3 prefix, reached with ``open_s3()``'s
+    client. S3 errors leave it as StoreUnavailable (unreachable: exit 75) or UserError (refused)."""
 
-    def __init__(self, uri: str):
+    def __init__(self, uri: str, open_s3: Callable[[], Any] = s3_client):
         self.uri = uri.rstrip("/")
         self._s3 = None
         if self.uri.startswith("s3://"):
-            from core.s3 import s3_client
-
-            self._s3 = s3_client()
+            self._s3 = open_s3()
             self._bucket, _, self._prefix = self.uri[len("s3://") :].partition("/")
 
     def join(self, *parts: str) -> str:
@@ -140,19 +151,21 @@ class Store:
         prefix = self._key(*parts) + "/" if self._key(*parts) else ""
         names = set()
         pages = self._s3.get_paginator("list_objects_v2").paginate(Bucket=self._bucket, Prefix=prefix, Delimiter="/")
-        for page in pages:
-            names.update(p["Prefix"][len(prefix) :].rstrip("/") for p in page.get("CommonPrefixes", []))
-            names.update(o["Key"][len(prefix) :] for o in page.get("Contents", []) if o["Key"] != prefix)
+        with self._translated("listing"):
+            for page in pages:
+                names.update(p["Prefix"][len(prefix) :].rstrip("/") for p in page.get("CommonPrefixes", []))
+                names.update(o["Key"][len(prefix) :] for o in page.get("Contents", []) if o["Key"] != prefix)
         return sorted(names)
 
     def read(self, *parts: str) -> str | None:
         if self._s3 is None:
             path = Path(self.join(*parts))
             return path.read_text() if path.is_file() else None
-        try:
-            return self._s3.get_object(Bucket=self._bucket, Key=self._key(*parts))["Body"].read().decode()
-        except self._s3.exceptions.NoSuchKey:
-            return None
+        with self._translated("reading"):
+            try:
+                return self._s3.get_object(Bucket=self._bucket, Key=self._key(*parts))["Body"].read().decode()
+            except self._s3.exceptions.NoSuchKey:
+                return None
 
     def write(self, text: str, *parts: str) -> None:
         if self._s3 is None:
@@ -162,10 +175,22 @@ class Store:
             temporary.write_text(text)
             temporary.replace(path)  # a marker is either absent or whole
         else:
-            self._s3.put_object(Bucket=self._bucket, Key=self._key(*parts), Body=text.encode())
+            with self._translated("writing"):
+                self._s3.put_object(Bucket=self._bucket, Key=self._key(*parts), Body=text.encode())
 
     def _key(self, *parts: str) -> str:
         return "/".join(part for part in (self._prefix, *parts) if part)
+
+    @contextmanager
+    def _translated(self, what: str):
+        try:
+            yield
+        except (BotoCoreError, ClientError) as error:
+            text = str(error).strip()
+            line = mask_uri(text.splitlines()[0] if text else type(error).__name__)
+            if is_outage(error):
+                raise StoreUnavailable(f"{self.uri} unreachable while {what}: {line}") from None
+            raise UserError(f"{self.uri} refused {what}: {line}") from None
 
 
 def read_runs(root: Store) -> list[RunState]:
@@ -188,14 +213,16 @@ def run_overrides(decision: Decision, args: ScheduleOptions, root: Store) -> lis
         f"run.name={decision.run_name}",
         f"run.output_dir={Path(args.work_dir) / decision.run_name}",
         f"checkpoint.uri={root.join(decision.run_name)}/checkpoints",
-        f"data.source={Store(args.prompts).join(decision.prompt_set)}",
+        f"data.source={args.prompts.rstrip('/')}/{decision.prompt_set}",
         f"registry.model_name={args.model}",
         "registry.promote=false",
     ]
 
 
 def step_command(step: str, decision: Decision, args: ScheduleOptions, root: Store) -> list[str]:
-    """The command line of one step. Training runs under pipeline.launch so a checkpointed stop keeps status 75."""
+    """The command line of one step, both with this interpreter (no ``sagegrpo`` looked up on PATH) and the same
+    overrides. Training runs under pipeline.launch so a checkpointed stop keeps status 75."""
+    overrides = run_overrides(decision, args, root)
     if step == "train":
         return [
             sys.executable,
@@ -205,16 +232,16 @@ def step_command(step: str, decision: Decision, args: ScheduleOptions, root: Sto
             f"--nproc-per-node={args.nproc_per_node}",
             "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1",
             "--shutdown-timeout=300",
-            "--no-python",
-            "sagegrpo",
+            "--module",  # torchrun starts each worker as `sys.executable -m pipeline.cli`
+            "pipeline.cli",
             "run",
             args.config,
-            *run_overrides(decision, args, root),
+            *overrides,
             "--resume",
             "auto",
         ]
-    # The gate's settings and the tracking URI come from the config, never the command line, which is logged.
-    return ["sagegrpo", "promote", "--config", args.config, "--model", args.model]
+    # The gate's settings and the tracking server come from the same config and overrides as the run's.
+    return [sys.executable, "-m", "pipeline.cli", "promote", "--config", args.config, "--model", args.model, *overrides]
 
 
 def check_config(decision: Decision, args: ScheduleOptions, root: Store) -> None:
@@ -222,11 +249,24 @@ def check_config(decision: Decision, args: ScheduleOptions, root: Store) -> None
     from pipeline.config import load_run_config
 
     config = load_run_config(args.config, run_overrides(decision, args, root))
-    if not config.tracking.tracking_uri:
+    if not config.tracking.server_uri():
         raise UserError(
-            f"{args.config}: the scheduled run needs tracking.tracking_uri, a shared MLflow server: the "
-            f"model registry must outlive each run"
+            f"{args.config}: the scheduled run needs tracking.tracking_uri (or MLFLOW_TRACKING_URI), a shared MLflow "
+            "server: the model registry must outlive each run"
         )
+
+
+def stores(args: ScheduleOptions) -> tuple[Store, Store]:
+    """The checkpoint root and the prompts location, reached with the run's own S3 settings: ``checkpoint.*`` and
+    ``data.s3_endpoint_url`` of the config and the user's overrides (the prompts location stands in for data.source,
+    which is the schedule's to set)."""
+    from pipeline.config import load_run_config
+
+    config = load_run_config(args.config, [*args.overrides, f"data.source={args.prompts}"])
+    return (
+        Store(args.checkpoint_root, config.checkpoint.open_s3_client),
+        Store(args.prompts, partial(s3_client, endpoint_url=config.data.s3_endpoint_url)),
+    )
 
 
 def run_relaying_stop_signals(command: list[str]) -> int:
@@ -243,8 +283,8 @@ def run_relaying_stop_signals(command: list[str]) -> int:
 
 
 def run_schedule(args: ScheduleOptions) -> int:
-    root = Store(args.checkpoint_root)
-    decision = decide(args.date or date.today(), Store(args.prompts).children(), read_runs(root))
+    root, prompts = stores(args)
+    decision = decide(args.date or date.today(), prompts.children(), read_runs(root))
     print(f"schedule: {decision.action}: {decision.reason}", flush=True)
     if decision.steps:
         check_config(decision, args, root)
@@ -252,7 +292,7 @@ def run_schedule(args: ScheduleOptions) -> int:
         root.write(decision.prompt_set + "\n", decision.run_name, "schedule", "prompt_set")
     for step in decision.steps:
         command = step_command(step, decision, args, root)
-        print(f"schedule: {step}: {' '.join(command)}", flush=True)
+        print(f"schedule: {step}: {' '.join(map(mask_uri, command))}", flush=True)
         if args.dry_run:
             continue
         status = run_relaying_stop_signals(command)

@@ -59,6 +59,7 @@ from stages.rollout import score_transition
 
 logger = logging.getLogger(__name__)
 
+# Beside the packages in a checkout and in an installed wheel, which ships it as package data (pyproject.toml).
 DEEPSPEED_CONFIGS = Path(__file__).resolve().parent.parent / "deepspeed_configs"
 
 CALIBRATED_LAMBDA_MIN = 0.1

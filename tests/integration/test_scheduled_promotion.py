@@ -1,5 +1,6 @@
-"""The scheduled job end to end on the tiny model, as the CronJob runs it: ``sagegrpo schedule`` against a real
-``mlflow server`` and a local checkpoint root, on two days. Each day trains a run on that day's prompt set, the run
+"""The scheduled job end to end on the tiny model, as cron runs it: ``python -m pipeline.cli schedule`` with a PATH
+that lacks the venv, the tracking server given as an override, against a real ``mlflow server`` and a local
+checkpoint root, on two days. Each day trains a run on that day's prompt set, the run
 registers its policy as the challenger, and the promote step gates it with the config's registry settings.
 
 Day one has no champion, so its version becomes the champion. Day two's outcome is known in advance: the demo's
@@ -11,7 +12,6 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,7 +39,6 @@ def scheduled(tmp_path, mlflow_server):
     config["eval"] = {"every": 2, "num_prompts": 2, "write_videos": 0}
     config["checkpoint"] = {"every": 2, "keep_last": 2}
     config["trust_region"]["anchor_interval"] = 2
-    config["tracking"] = {"tracking_uri": mlflow_server.url}
     config["registry"] = {"margin": MARGIN}
     config_path = tmp_path / "scheduled.yaml"
     config_path.write_text(yaml.safe_dump(config))
@@ -48,7 +47,8 @@ def scheduled(tmp_path, mlflow_server):
     prompt_dir = tmp_path / "prompts"
     prompt_dir.mkdir()
     (prompt_dir / f"{DAYS[0]}.txt").write_text("\n".join(prompts[:12]) + "\n")  # day two's set is added later
-    root, work = tmp_path / "scheduled", tmp_path / "work"
+    root, work, cwd = tmp_path / "scheduled", tmp_path / "work", tmp_path / "cwd"
+    cwd.mkdir()
 
     def start(day: str) -> subprocess.CompletedProcess:
         command = [
@@ -57,6 +57,7 @@ def scheduled(tmp_path, mlflow_server):
             "pipeline.cli",
             "schedule",
             str(config_path),
+            f"tracking.tracking_uri={mlflow_server.url}",  # train and promote alike must use it
             "--prompts",
             str(prompt_dir),
             "--checkpoint-root",
@@ -70,11 +71,10 @@ def scheduled(tmp_path, mlflow_server):
             "--date",
             day,
         ]
-        # The steps run `sagegrpo` as the image does: from PATH.
-        env = environment(PATH=f"{Path(sys.executable).parent}:{environment()['PATH']}")
-        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        env = environment(PATH="/usr/bin:/bin")  # as under cron: the steps find nothing of the venv on PATH
+        return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
-    return start, prompt_dir, prompts, root, work
+    return start, prompt_dir, prompts, root, work, cwd
 
 
 def _ok(result: subprocess.CompletedProcess) -> str:
@@ -87,7 +87,7 @@ def _metric(version, name: str = "eval/reward") -> float:
 
 
 def test_scheduled_job_trains_registers_and_promotes_only_a_better_challenger(scheduled, mlflow_server):
-    start, prompt_dir, prompts, root, work = scheduled
+    start, prompt_dir, prompts, root, work, cwd = scheduled
     client = MlflowClient(mlflow_server.url)
 
     # Day one: train on the only prompt set, register, and promote the first champion.
@@ -98,6 +98,7 @@ def test_scheduled_job_trains_registers_and_promotes_only_a_better_challenger(sc
     assert first.tags[DECISION_TAG].startswith("promoted: first champion")
     assert {"train.done", "promote.done"} <= {p.name for p in (root / f"sage-{DAYS[0]}" / "schedule").iterdir()}
     assert (work / f"sage-{DAYS[0]}" / "exports" / "step-2" / "export.json").is_file()
+    assert list(cwd.iterdir()) == []  # no ./mlflow.db: promote used the same server as training
 
     # Day two: a new prompt set, a new run, a new challenger that cannot beat the champion by the margin.
     (prompt_dir / f"{DAYS[1]}.txt").write_text("\n".join(prompts[8:]) + "\n")

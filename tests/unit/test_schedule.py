@@ -1,5 +1,6 @@
 """The scheduled run: decisions, markers, commands and the lock (pipeline/schedule.py, infra/scheduled_run.sh)."""
 
+import dataclasses
 import fcntl
 import os
 import re
@@ -153,7 +154,10 @@ def test_train_step_runs_under_the_launcher_with_resume_auto(tmp_path):
     args = _args(tmp_path)
     decision = schedule.Decision("new", "sage-2026-12-03", "2026-12-02", schedule.STEPS, "")
     command = schedule.step_command("train", decision, args, schedule.Store(args.checkpoint_root))
-    assert command[1:3] == ["-m", "pipeline.launch"]
+    assert command[:3] == [sys.executable, "-m", "pipeline.launch"]
+    # Each worker is this interpreter running the CLI module: nothing is looked up on PATH.
+    assert command[command.index("--module") + 1 : command.index("--module") + 3] == ["pipeline.cli", "run"]
+    assert "sagegrpo" not in command and "--no-python" not in command
     assert command[command.index("--resume") + 1] == "auto"
     assert f"data.source={tmp_path}/prompts/2026-12-02" in command
     assert f"checkpoint.uri={tmp_path}/ckpt/sage-2026-12-03/checkpoints" in command
@@ -162,14 +166,17 @@ def test_train_step_runs_under_the_launcher_with_resume_auto(tmp_path):
     assert {"registry.model_name=m", "registry.promote=false"} <= set(command)
 
 
-def test_promote_step_gates_with_the_configs_registry_settings(tmp_path):
-    args = _args(tmp_path)
+def test_promote_step_gates_with_the_configs_registry_settings_and_the_runs_overrides(tmp_path):
+    args = dataclasses.replace(_args(tmp_path), overrides=("tracking.tracking_uri=http://mlflow.team:5000",))
     decision = schedule.Decision("new", "sage-2026-12-03", "2026-12-02", schedule.STEPS, "")
-    command = schedule.step_command("promote", decision, args, schedule.Store(args.checkpoint_root))
-    assert command[:2] == ["sagegrpo", "promote"]
+    root = schedule.Store(args.checkpoint_root)
+    command = schedule.step_command("promote", decision, args, root)
+    assert command[:4] == [sys.executable, "-m", "pipeline.cli", "promote"]
     assert command[command.index("--config") + 1] == args.config
     assert command[command.index("--model") + 1] == "m"
-    assert not any(part.startswith("--tracking-uri") for part in command)  # may hold credentials: logged lines
+    # The same overrides as training (the user's tracking URI among them), so the same tracking server.
+    assert command[command.index("m") + 1 :] == schedule.run_overrides(decision, args, root)
+    assert "tracking.tracking_uri=http://mlflow.team:5000" in command
 
 
 @pytest.mark.parametrize(
