@@ -13,6 +13,7 @@ from typing import TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from core import secrets
 from core.errors import UserError
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -146,6 +147,7 @@ def one_line(error: ValidationError) -> str:
 
 
 def validate(model: type[Model], data: dict, source: str = "config") -> Model:
+    secrets.remember(data)  # before validating: a refused config's message may quote a secret too
     try:
         return model.model_validate(data)
     except ValidationError as error:

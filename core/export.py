@@ -42,6 +42,7 @@ from huggingface_hub import save_torch_state_dict
 from core import distributed
 from core.files import fsync_tree
 from core.lora import ADAPTER_NAME
+from core.secrets import mask_tree
 from core.storage import _move_into_place, _sha256_and_size
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
@@ -58,14 +59,15 @@ ExportKind = Literal["lora", "full"]
 def model_record(name: str, *, pretrained: str | None = None, kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """What ``export.json`` says about the base model: enough to build it again with
     ``build_adapter(name, path_or_hub_id=pretrained, **kwargs)`` (the run config's ``model.name``,
-    ``model.pretrained`` and ``model.kwargs``). Refuses what JSON cannot hold rather than writing a record that
-    cannot be read back."""
+    ``model.pretrained`` and ``model.kwargs``), credentials masked (``core.secrets``). Refuses what JSON cannot hold
+    rather than writing a record that cannot be read back."""
     record = {"name": name, "pretrained": pretrained, "kwargs": dict(kwargs or {})}
     try:
         json.dumps(record, allow_nan=False)
     except (TypeError, ValueError) as error:
         raise ValueError(f"model {name!r}: its kwargs cannot be recorded in {EXPORT_MANIFEST}: {error}") from None
-    return record
+    # The record travels with the weights into every registered version: a hub token in the kwargs must not.
+    return mask_tree(record)
 
 
 def export_policy(engine_or_module, out_dir: str | Path, *, model: dict[str, Any] | None = None) -> Path | None:

@@ -55,6 +55,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core.errors import UserError
 from core.export import LORA_WEIGHT_NAME, read_export_manifest
+from core.secrets import MASK, mask_uri
 from core.storage import _sha256_and_size, load_tensors
 
 CHALLENGER = "challenger"
@@ -105,6 +106,8 @@ def register_export(
     """Register a verified export (see :mod:`core.export`) as a version of ``model_name`` tagged with its eval
     metrics, and point the ``challenger`` alias at it. Rerunning with the same ``export_key`` creates nothing new."""
     kind = read_export_manifest(export_dir)["kind"]  # refuses an incomplete or corrupted export
+    # Tagged and saved with the version for anyone who can read the registry: a URL's user-info stays behind.
+    base_model = mask_uri(base_model)
     _ensure_registered_model(client, model_name)
     version = _version_with_export_key(client, model_name, export_key)
     if version is None:
@@ -246,7 +249,9 @@ class VideoPolicyModel(PythonModel):
         export_dir = Path(context.artifacts["export"])
         manifest = read_export_manifest(export_dir)  # a corrupted weight file fails here, not as garbage videos
         model = manifest.get("model") or _legacy_model_record(context.model_config["base_model"])
-        kwargs = dict(model["kwargs"])
+        # A credential is recorded masked (core.export.model_record): left out, the factory falls back to its own
+        # default, for a hub token the serving environment's.
+        kwargs = {key: value for key, value in model["kwargs"].items() if value != MASK}
         if model["pretrained"] is not None:
             # The registered base model, not the path training read it from (registry.base_model may name a hub
             # id where training used a local copy).

@@ -37,13 +37,14 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.environment_variables import MLFLOW_EXPERIMENT_NAME, MLFLOW_TRACKING_URI
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
+from mlflow.tracking._tracking_service.utils import _tracking_store_registry
 from mlflow.tracking.context.registry import resolve_tags
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_COMMIT, MLFLOW_GIT_DIRTY
 from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH, _validate_metric_name
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from core import distributed
-from core.secrets import MASK, is_secret_key, mask_uri
+from core.secrets import mask_tree, mask_uri, mask_value
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,18 @@ class TrackingConfig(BaseModel):
 
 # --- Params: the resolved config, flattened and masked ---------------------------------------------------------
 
+    @field_validator("tracking_uri")
+    @classmethod
+    def _store_mlflow_opens(cls, uri: str | None) -> str | None:
+        # MLflow's own scheme table: an ftp:// or s3:// URI would otherwise pass here and end the run in a traceback.
+        try:
+            _tracking_store_registry.get_store_builder(uri or "")
+        except MlflowException:
+            raise ValueError(
+                f"{mask_uri(uri)!r} is not a tracking store MLflow opens (http(s), sqlite, file, ...)"
+            ) from None
+        return uri
+
 
 def loggable_params(config: BaseModel | Mapping[str, Any]) -> dict[str, str]:
     """``{"a": {"b": [1, {"api_key": "x"}]}}`` -> ``{"a.b.0": "1", "a.b.1.api_key": "***"}``.
@@ -94,23 +107,13 @@ def loggable_params(config: BaseModel | Mapping[str, Any]) -> dict[str, str]:
     Lists are flattened by index like mappings, so a secret inside a list of sections is still seen by its key.
     """
     data = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
-    return {key: _masked(key, _as_text(value)) for key, value in _flatten(data, prefix="").items()}
+    return {key: mask_value(key, _as_text(value)) for key, value in _flatten(data, prefix="").items()}
 
 
 def masked_config(config: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
     """The resolved config, nested as in YAML, with the same masking as the params: safe to save as an artifact."""
     data = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
-    return _mask_tree(data, prefix="")
-
-
-def _mask_tree(node: Any, prefix: str) -> Any:
-    if isinstance(node, Mapping):
-        return {key: _mask_tree(child, f"{prefix}{key}.") for key, child in node.items()}
-    if isinstance(node, (list, tuple)):
-        return [_mask_tree(child, f"{prefix}{i}.") for i, child in enumerate(node)]
-    if node is None or isinstance(node, (bool, int, float)):
-        return MASK if is_secret_key(prefix.rstrip(".")) and node is not None else node
-    return _masked(prefix.rstrip("."), str(node))
+    return mask_tree(data)
 
 
 def _flatten(node: Any, prefix: str) -> dict[str, Any]:
@@ -130,12 +133,6 @@ def _as_text(value: Any) -> str:
     # JSON spelling (null, true, []) reads like the YAML config the value came from.
     text = value if isinstance(value, str) else json.dumps(value)
     return text[:MAX_PARAM_VAL_LENGTH]
-
-
-def _masked(key: str, text: str) -> str:
-    if is_secret_key(key) and text not in ("", "null"):
-        return MASK  # an unset secret stays visible as unset
-    return mask_uri(text)
 
 
 # --- Metric names ----------------------------------------------------------------------------------------------

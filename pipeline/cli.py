@@ -9,6 +9,7 @@ import sys
 from datetime import date
 
 from core.errors import StoreUnavailable, UserError
+from core.secrets import mask_process_output, mask_uri
 
 
 class _Parser(argparse.ArgumentParser):
@@ -464,11 +465,12 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         code = args.handler(args)
     except UserError as error:
-        print(f"sagegrpo: error: {error}", file=sys.stderr)
+        print(f"sagegrpo: error: {mask_uri(str(error))}", file=sys.stderr)
         return UserError.exit_code
     except StoreUnavailable as error:
         print(
-            f"sagegrpo: checkpoint store unavailable (retryable, restart with --resume auto): {error}", file=sys.stderr
+            f"sagegrpo: checkpoint store unavailable (retryable, restart with --resume auto): {mask_uri(str(error))}",
+            file=sys.stderr,
         )
         return StoreUnavailable.exit_code
     except KeyboardInterrupt:
@@ -480,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
 def program() -> int:
     """``sagegrpo`` as a program (the console script, ``python -m pipeline.cli``): ``main``, then a process that
     started a process group ends through ``core.distributed.exit_launched``."""
+    mask_process_output()
     code = main()
     if "torch.distributed" not in sys.modules:  # --help, config, plan: no process group, and no torch to import
         return code
