@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 from datetime import date
 
@@ -464,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         code = args.handler(args)
+        sys.stdout.flush()  # here, so that a reader gone away is seen by the handler below
     except UserError as error:
         print(f"sagegrpo: error: {mask_uri(str(error))}", file=sys.stderr)
         return UserError.exit_code
@@ -473,6 +475,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return StoreUnavailable.exit_code
+    except BrokenPipeError:
+        # `sagegrpo ... | head`: the reader had what it wanted. As Python's docs advise, stdout goes to devnull so the
+        # interpreter's own flush at exit does not fail a second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except KeyboardInterrupt:
         print("sagegrpo: interrupted", file=sys.stderr)
         return 130

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from core import sde
+from core.errors import UserError
 
 
 def schedule_table(variant: str, steps: int, shift: float, eta: float) -> list[dict]:
@@ -57,8 +58,12 @@ def plot(tables: dict[str, list[dict]], path: str) -> None:
         ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110)
+    except (OSError, ValueError) as error:  # a missing folder, no permission, an extension matplotlib cannot write
+        raise UserError(f"--plot {path}: {getattr(error, 'strerror', None) or error}") from None
+    finally:
+        plt.close(fig)
 
 
 def run(variant: str, steps: int, shift: float, eta: float, as_json: bool, plot_path: str | None) -> str:

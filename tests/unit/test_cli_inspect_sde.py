@@ -51,3 +51,22 @@ def test_bad_values_give_one_line_and_exit_2(args):
     assert result.returncode == 2
     assert result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_output_piped_into_a_reader_that_stops_early_is_not_a_traceback():
+    # `sagegrpo inspect-sde --json | head -c 100`: enough output to outlast the reader, which closes the pipe.
+    command = [sys.executable, "-m", "pipeline.cli", "inspect-sde", "--steps", "3000", "--json"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as child:
+        child.stdout.read(100)
+        child.stdout.close()
+        stderr = child.stderr.read().decode()
+        code = child.wait(timeout=120)
+    assert "Traceback" not in stderr and stderr == "", stderr
+    assert code == 1
+
+
+@pytest.mark.parametrize("name, problem", [("missing/sde.png", "No such file or directory"), ("sde.xyz", "xyz")])
+def test_a_plot_path_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, name, problem):
+    result = _sagegrpo("inspect-sde", "--steps", "4", "--plot", str(tmp_path / name))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"sagegrpo: error: --plot {tmp_path / name}: ") and problem in result.stderr
