@@ -5,7 +5,9 @@ artifacts. Only rank 0 talks to MLflow; on other ranks every method does nothing
 
 Outages: every metric is first appended to ``<run_dir>/mlflow-buffer.jsonl`` and the buffer is then sent. When the
 server cannot be reached the buffer simply stays (on disk, so it also survives a crash) and later calls send it,
-at most every ``retry_interval_s``; one warning says so per outage. MLflow's own HTTP retries are turned down first:
+at most every ``retry_interval_s``; one warning says so per outage. Each row names its run (the MLflow run, or before
+that is open the training run's identity), so a run sharing the output folder with one whose buffer was left behind
+sends only its own rows and leaves the others' for them. MLflow's own HTTP retries are turned down first:
 its defaults (7 retries with exponential backoff, 120 s timeout) would block a training step for minutes per call.
 A request the server rejects as invalid cannot succeed by retrying: rejected metrics are moved to a side file and
 logged as an error; a run the server refuses to open turns tracking off. Either way the training goes on.
@@ -26,6 +28,7 @@ import logging
 import os
 import subprocess
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -44,11 +47,13 @@ from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH,
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from core import distributed
+from core.files import atomic_write_text
 from core.secrets import mask_tree, mask_uri, mask_value
 
 log = logging.getLogger(__name__)
 
 BUFFER_FILE = "mlflow-buffer.jsonl"
+_METRIC_FIELDS = ("key", "value", "timestamp", "step")  # a buffered row's metric; the rest says whose it is
 DEFAULT_EXPERIMENT = "sage-grpo"
 MAX_TAG_LENGTH = 5000  # what most stores accept
 # Set only where the operator has not: a failed request fails in seconds, and we retry from the buffer instead.
@@ -222,6 +227,9 @@ class Tracker:
         self._retry_after = 0.0
         self._bad_names: set[str] = set()
         self._identity: str | None = None
+        # Whose buffered rows are whose: runs sharing an output folder share its buffer (see _owns).
+        self._owner = uuid.uuid4().hex
+        self._foreign_rows_reported = False
         self._tags: dict[str, str] = {}
         self._system_metrics = None
         if self.enabled:
@@ -254,6 +262,7 @@ class Tracker:
         self._tags = resolve_tags(environment_tags())
         self._resume_id = run_id
         self._identity = identity
+        self._owner = identity or self._owner
         self._sync()
         return self.run_id
 
@@ -321,10 +330,14 @@ class Tracker:
         if not self.enabled:
             return
         timestamp = int(time.time() * 1000)
+        torn = _ends_mid_line(self._buffer)
         with self._buffer.open("a") as buffer:
+            if torn:  # a crash mid-write: the next row must not continue its line
+                buffer.write("\n")
             for key, value in metrics.items():
                 if self._valid_name(key):
                     row = {"key": key, "value": float(value), "step": step, "timestamp": timestamp}
+                    row |= {"run_id": self.run_id, "owner": self._owner}
                     buffer.write(json.dumps(row) + "\n")
         self._sync()
 
@@ -473,21 +486,39 @@ class Tracker:
         self._client.log_batch(self.run_id, params=new, tags=tags)
 
     def _send_buffer(self) -> None:
+        """Send this run's buffered rows; another run's (left by a run that shared the output folder during an
+        outage) stay in the buffer for that run to send when it resumes."""
         if not self._buffer.exists():
             return
-        rows = _read_rows(self._buffer)
+        ours, others = [], []
+        for row in _read_rows(self._buffer):
+            (ours if self._owns(row) else others).append(row)
+        if others and not self._foreign_rows_reported:
+            log.warning("%s holds %d metric(s) of another run: left there for it", self._buffer, len(others))
+            self._foreign_rows_reported = True
+        if not ours:
+            return
         try:
-            self._client.log_batch(self.run_id, metrics=[Metric(**row) for row in rows])
+            self._client.log_batch(self.run_id, metrics=[Metric(**{k: row[k] for k in _METRIC_FIELDS}) for row in ours])
         except MlflowException as error:
             if is_outage(error):
                 raise
-            self._set_aside(error)
-            return
-        self._buffer.unlink()
+            self._set_aside(error, ours)
+        if others:
+            atomic_write_text(self._buffer, _as_lines(others))
+        else:
+            self._buffer.unlink()
 
-    def _set_aside(self, error: MlflowException) -> None:
+    def _owns(self, row: dict[str, Any]) -> bool:
+        """A row logged once the MLflow run was open names it; one logged before names the training run's identity
+        (or, without one, this tracker), which the run opened later belongs to."""
+        if row.get("run_id"):
+            return row["run_id"] == self.run_id
+        return row.get("owner") == self._owner
+
+    def _set_aside(self, error: MlflowException, rows: list[dict[str, Any]]) -> None:
         rejected = self._buffer.with_name(f"mlflow-rejected-{int(time.time())}.jsonl")
-        os.replace(self._buffer, rejected)
+        atomic_write_text(rejected, _as_lines(rows))
         log.error("MLflow rejected metrics (%s); they are kept in %s, the run goes on", _first_line(error), rejected)
 
     def _upload(self, what: str, upload: Callable[[], None]) -> None:
@@ -540,10 +571,25 @@ def _read_rows(buffer: Path) -> list[dict[str, Any]]:
     rows = []
     for line in buffer.read_text().splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue  # the torn last line of a crash mid-write: that one value is lost
+        if isinstance(row, dict) and all(field in row for field in _METRIC_FIELDS):
+            rows.append(row)
     return rows
+
+
+def _ends_mid_line(path: Path) -> bool:
+    try:
+        with path.open("rb") as file:
+            file.seek(-1, os.SEEK_END)
+            return file.read(1) != b"\n"
+    except OSError:  # absent or empty
+        return False
+
+
+def _as_lines(rows: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(row) + "\n" for row in rows)
 
 
 def _first_line(error: Exception) -> str:
