@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -14,8 +15,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from core.files import remove_abandoned
+
 # The folder of a single process's rendezvous file (see ``init``), removed by ``shutdown``.
 _rendezvous: str | None = None
+_RENDEZVOUS_FOLDER = re.compile(r"sagegrpo-pg-(?P<pid>[1-9][0-9]*)-\w+")
 
 
 def rank() -> int:
@@ -58,7 +62,10 @@ def init(timeout_minutes: float = 30.0) -> None:
     # A single process rendezvouses through a file, not a TCP port: a free port found now can be taken by any other
     # process (an outgoing connection's ephemeral port) before the store listens on it.
     global _rendezvous
-    _rendezvous = None if launched else tempfile.mkdtemp(prefix="sagegrpo-pg-")
+    if not launched:
+        # A killed process never ran shutdown: its folder is removed here, at the next start (the pid says whose).
+        remove_abandoned(tempfile.gettempdir(), _RENDEZVOUS_FOLDER)
+    _rendezvous = None if launched else tempfile.mkdtemp(prefix=f"sagegrpo-pg-{os.getpid()}-")
     init_method = None if launched else f"file://{_rendezvous}/store"
     for name, value in (
         ("MASTER_ADDR", "127.0.0.1"),

@@ -21,13 +21,16 @@ Both work on a module partitioned by ZeRO-3: every rank must call them (the gath
 Each export also holds ``export.json``: the kind, the base model it applies to (``model``: the name
 ``core.models.build_adapter`` takes, ``hunyuan15``, ``wan``, a tiny one or a dotted factory, with the pretrained
 checkpoint and keyword arguments; see :func:`model_record`) and the sha256 of every file. It appears at ``out_dir``
-whole or not at all: it is written into a temporary sibling directory that is renamed into place.
+whole or not at all: it is written into a temporary sibling directory that is renamed into place. What it
+replaces there can only be an earlier export (:func:`check_replaceable`): a folder holding anything else is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import shutil
 import struct
 import uuid
@@ -40,7 +43,8 @@ import torch
 from huggingface_hub import save_torch_state_dict
 
 from core import distributed
-from core.files import fsync_tree
+from core.errors import UserError
+from core.files import fsync_tree, remove_abandoned
 from core.lora import ADAPTER_NAME
 from core.secrets import mask_tree
 from core.storage import _move_into_place, _sha256_and_size
@@ -54,6 +58,8 @@ FULL_WEIGHTS_PATTERN = "diffusion_pytorch_model{suffix}.safetensors"
 MAX_SHARD_SIZE = "10GB"  # diffusers' save_pretrained default
 
 ExportKind = Literal["lora", "full"]
+# An export being written (see _atomic_directory): a full copy of the weights, so one a kill left is removed.
+STAGING_FOLDER = re.compile(r"\..+\.(?P<pid>[1-9][0-9]*)-[0-9a-f]{32}\.tmp")
 
 
 def model_record(name: str, *, pretrained: str | None = None, kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -233,12 +239,50 @@ def _write_export_manifest(directory: Path, kind: ExportKind, model: dict[str, A
     (directory / EXPORT_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
+def check_replaceable(out_dir: str | Path) -> None:
+    """UserError unless writing an export to ``out_dir`` deletes nothing but an earlier export: ``out_dir`` is absent,
+    an empty folder, or a folder holding exactly an export's files, each matching the sha256 in its ``export.json``.
+    Anything else there (other models, a run's output folder, a checkpoint root, an export with a file added or
+    changed) is someone's data, and replacing the folder would delete it."""
+    target = Path(out_dir)
+    if not target.exists() and not target.is_symlink():
+        return
+    if target.is_symlink() or not target.is_dir():
+        problem = "is not a folder"
+    elif not any(target.iterdir()):
+        return
+    else:
+        problem = _not_an_export(target)
+        if problem is None:
+            return
+    raise UserError(
+        f"export target {target} {problem}: refusing to replace it (only an earlier export is replaced); "
+        "export to a new or empty folder"
+    )
+
+
+def _not_an_export(directory: Path) -> str | None:
+    """Why ``directory`` is not an export this module wrote, None when it is one."""
+    try:
+        listed = json.loads((directory / EXPORT_MANIFEST).read_text())["files"]
+        present = {path.name for path in directory.iterdir()}
+        if not isinstance(listed, dict) or present != set(listed) | {EXPORT_MANIFEST}:
+            return f"is not empty and holds files that no {EXPORT_MANIFEST} there lists"
+        read_export_manifest(directory)
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"is not empty and is not an export (no valid {EXPORT_MANIFEST}, or files that do not match it)"
+    return None
+
+
 @contextlib.contextmanager
 def _atomic_directory(out_dir: str | Path) -> Iterator[Path]:
-    """A fresh sibling directory to write into; on success it replaces ``out_dir``, on failure it is removed."""
+    """A fresh sibling directory to write into; on success it replaces ``out_dir`` (only ever an earlier export:
+    :func:`check_replaceable`), on failure it is removed."""
     target = Path(out_dir)
+    check_replaceable(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+    remove_abandoned(target.parent, STAGING_FOLDER)
+    staging = target.with_name(f".{target.name}.{os.getpid()}-{uuid.uuid4().hex}.tmp")
     staging.mkdir()
     try:
         yield staging

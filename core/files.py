@@ -4,6 +4,8 @@ fsync of the folder), so a crash or a concurrent reader never sees half a file."
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,3 +56,29 @@ def fsync_tree(root: str | Path) -> None:
             with open(Path(directory) / name, "rb") as file:
                 os.fsync(file.fileno())
         fsync_dir(directory)
+
+
+def remove_abandoned(directory: str | Path, pattern: re.Pattern[str]) -> None:
+    """Remove the folders in ``directory`` that a killed process left: named by ``pattern``, whose group ``pid`` is
+    the process that made the folder, owned by this user, and that process gone (or this one, which has not made its
+    own yet). A folder of a running process or another user, or named otherwise, is left alone."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for path in directory.iterdir():
+        match = pattern.fullmatch(path.name)
+        if match is None or path.is_symlink() or not path.is_dir() or path.lstat().st_uid != os.getuid():
+            continue
+        pid = int(match.group("pid"))
+        if pid == os.getpid() or not _running(pid):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True

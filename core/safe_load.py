@@ -86,7 +86,7 @@ def data_only_torch_load() -> Iterator[None]:
             yield
     except pickle.UnpicklingError as error:
         raise UnsafeCheckpointError(
-            f"refusing to load a checkpoint file that is not plain data: {_reason(error)}"
+            f"refusing to load a checkpoint file that is not plain data: {refusal_reason(error)}"
         ) from None
     finally:
         for name, value in saved.items():
@@ -104,7 +104,7 @@ def check_data_only(directory: str | Path) -> None:
             try:
                 unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
             except (ValueError, RuntimeError, pickle.UnpicklingError) as error:
-                raise UnsafeCheckpointError(f"{path}: not a torch.save checkpoint ({_reason(error)})") from None
+                raise UnsafeCheckpointError(f"{path}: not a torch.save checkpoint ({refusal_reason(error)})") from None
             if unsafe:
                 raise UnsafeCheckpointError(
                     f"{path} references {', '.join(sorted(unsafe))}, which a checkpoint may "
@@ -164,7 +164,7 @@ def convert_to_universal(source: str | Path, target: str | Path) -> None:
     logger.debug("ds_to_universal: %s", printed.getvalue())
 
 
-def _reason(error: BaseException) -> str:
+def refusal_reason(error: BaseException) -> str:
     text = " ".join(str(error).split())
     unsupported = _UNSUPPORTED_GLOBAL.search(text)
     if unsupported:

@@ -45,8 +45,10 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -66,6 +68,7 @@ from safetensors.torch import load_file
 from core.errors import StoreUnavailable, UserError
 from core.files import atomic_write_bytes, fsync_dir, fsync_tree
 from core.s3 import s3_client
+from core.safe_load import refusal_reason
 from core.secrets import mask_uri
 
 logger = logging.getLogger(__name__)
@@ -331,10 +334,19 @@ class LocalBackend:
             shutil.copyfile(self.root / key, target)
 
     def sizes(self, prefix: str) -> dict[str, int]:
+        """Sizes of the regular files under ``prefix``. A link or any other kind of file there is a CheckpointError:
+        reading through it would load what it points to (another step's state, a file outside the store)."""
         base = self.root / prefix
         if not base.is_dir():
             return {}
-        return {path.relative_to(base).as_posix(): path.stat().st_size for path in base.rglob("*") if path.is_file()}
+        sizes = {}
+        for path in [base, *base.rglob("*")]:
+            mode = path.lstat().st_mode
+            if stat.S_ISREG(mode):
+                sizes[path.relative_to(base).as_posix()] = path.stat().st_size
+            elif not stat.S_ISDIR(mode):  # lstat: a link is neither
+                raise CheckpointError(f"{path} is a link or a special file, which a checkpoint may not contain")
+        return sizes
 
     def sha256(self, keys: Sequence[str]) -> dict[str, str]:
         return {key: _sha256_and_size(self.root / key)[0] for key in keys}
@@ -706,14 +718,17 @@ class CheckpointStore:
 
     @_translated("reading latest")
     def latest_step(self) -> int | None:
+        """The step ``latest`` names, None when there is no ``latest`` or it holds no step number (damaged)."""
         data = self.backend.read_bytes(LATEST_NAME)
-        if data is None:
-            return None
-        try:
-            return int(data.decode().strip())
-        except (UnicodeDecodeError, ValueError):
-            logger.warning("ignoring unreadable %s/%s", self.uri, LATEST_NAME)
-            return None
+        text = (data or b"").decode(errors="replace").strip()
+        return int(text) if re.fullmatch(r"[0-9]+", text) else None
+
+    def resolve_without(self, step: int, *, fresh_start: bool = False) -> int | None:
+        """``resolve("auto")`` once more after the reader found step ``step`` wrong (its states, or its manifest's
+        content): the step is treated as failing verification (kept, never pruned, moved aside before its number is
+        committed again) and the newest older verified step is returned."""
+        self._failed.add(step)
+        return self.resolve("auto", fresh_start=fresh_start)
 
     def resolve(self, resume: str | int, *, fresh_start: bool = False) -> int | None:
         """The step to resume from.
@@ -829,12 +844,19 @@ class CheckpointStore:
             logger.warning("moved %s/%s aside to %s before replacing it: %s", self.uri, step_dir(step), target, reason)
 
     def _newest_verified(self, fresh_start: bool) -> int | None:
-        pointer = self.latest_step()
+        steps, pointer = self.list_steps(), self.latest_step()
+        damaged = pointer not in steps and self.backend.read_bytes(LATEST_NAME) is not None
+        if damaged:
+            # Not a pointer this store wrote (it moves only onto a committed step, which pruning keeps): trusting it
+            # would hide every step, and a fresh start would then recompute and replace the verified ones.
+            pointer = None
         # Steps after the pointer are skipped: they are either a commit whose pointer write was lost in a crash or
         # the abandoned branch of a run that was restarted from an older step; resuming one could mix timelines.
-        candidates = [step for step in reversed(self.list_steps()) if pointer is None or step <= pointer]
+        candidates = [step for step in reversed(steps) if pointer is None or step <= pointer]
         owner = self.owner()
         for step in candidates:
+            if step in self._failed:
+                continue  # set aside by the caller, which said why
             try:
                 written_by = self.verify(step).run_id
             except CheckpointError as error:
@@ -850,8 +872,18 @@ class CheckpointStore:
                     owner,
                 )
                 continue
-            if step != pointer:
+            if damaged:
                 logger.warning(
+                    "resuming from %s/%s, the newest verified checkpoint: %s/%s names no committed step, ignored",
+                    self.uri,
+                    step_dir(step),
+                    self.uri,
+                    LATEST_NAME,
+                )
+            elif step != pointer:
+                logger.log(
+                    # The step latest names was already reported when it was skipped.
+                    logging.INFO if pointer in self._failed else logging.WARNING,
                     "resuming from %s/%s, the newest verified checkpoint (latest was %s)",
                     self.uri,
                     step_dir(step),
@@ -960,8 +992,12 @@ def load_tensors(path: str | Path, device: str = "cpu") -> dict[str, torch.Tenso
 
 def load_torch(path: str | Path, map_location: str | torch.device = "cpu") -> Any:
     """A ``torch.save`` file, always with ``weights_only=True``: unpickling arbitrary objects from a checkpoint
-    would run whatever code whoever could write to the bucket put there."""
-    return torch.load(path, map_location=map_location, weights_only=True)
+    would run whatever code whoever could write to the bucket put there. A file that is not plain data is a one-line
+    CheckpointError (torch's own message goes on to advise turning the protection off)."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+        raise CheckpointError(f"refusing to load {path}: {refusal_reason(error)}") from None
 
 
 def _same_location(location: str, uri: str) -> bool:

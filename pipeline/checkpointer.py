@@ -19,12 +19,15 @@ iteration then takes ``prompts_per_rank`` x the new world size prompts.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import random
+import re
 import shutil
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,20 +35,27 @@ import torch
 
 from core import distributed
 from core.errors import UserError
-from core.safe_load import convert_to_universal, load_engine_checkpoint
-from core.storage import FileEntry, load_torch
+from core.safe_load import UnsafeCheckpointError, convert_to_universal, load_engine_checkpoint
+from core.storage import CheckpointError, FileEntry, Manifest, load_torch
 from pipeline.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
 ENGINE_TAG = "engine"
 UNIVERSAL_TAG = "universal"  # the engine tag converted for another world size, beside it in the restore folder
+RESTORE_DIR = "checkpoint-restore"  # under the output folder: a step being restored, removed once it is loaded
+_RANK_FILE = re.compile(r"pipeline_state_rank(0|[1-9][0-9]*)\.pt")
+_PLAIN = (str, int, float, bool, type(None))
 
 
 class Stateful(Protocol):
     """Saved per rank. An object whose state differs between ranks also has
     ``load_resharded_state_dict(states, rank, world)``: every old rank's state, for this rank of a new world size;
-    the others are given rank 0's state when the world size changed."""
+    the others are given rank 0's state when the world size changed. One whose values must agree with the step it
+    was saved at has ``state_problem(state, step)``: what is wrong with ``state`` for that step, or None.
+
+    A saved state is data from outside: before anything is loaded it must have the structure of the live object's
+    ``state_dict()`` (:func:`schema_problem`)."""
 
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -161,16 +171,28 @@ class Checkpointer:
         """Restore the engine and every registered state from a verified checkpoint; return its step, or None when
         ``resume`` is ``auto`` and nothing is there yet. ``same_run`` (resuming) demands the config the checkpoint was
         written with and continues its run identity; evaluating or sampling a saved policy may change the sampler.
-        When checkpoints exist but none verifies, ``auto`` refuses unless ``fresh_start``."""
+        When checkpoints exist but none verifies, ``auto`` refuses unless ``fresh_start``. Under ``auto``, a step
+        whose manifest or states are wrong (a file missing for a rank, a state of another structure, a pickle) is
+        set aside with one warning and the previous verified step is loaded; a step asked for by name is refused."""
         step = distributed.on_main(lambda: self.store.resolve(resume, fresh_start=fresh_start))
-        if step is None:
-            if require:
-                raise UserError(f"no verified checkpoint for {resume!r} in {self.store.uri}")
-            logger.info("resume %s: no checkpoint found, starting from the beginning", resume)
-            if same_run:  # a job restarted before its first commit keeps the identity it claimed the root with
-                self.run_id = distributed.on_main(self.store.owner)
-            return None
-        manifest = distributed.on_main(lambda: self.store.read_manifest(step))
+        while step is not None:
+            try:
+                return self._load_step(step, same_run)
+            except (CheckpointError, UnsafeCheckpointError) as error:
+                if resume != "auto":
+                    raise
+                if distributed.is_main():
+                    logger.warning("skipping checkpoint %s/step-%d: %s", self.store.uri, step, error)
+                step = distributed.on_main(functools.partial(self.store.resolve_without, step, fresh_start=fresh_start))
+        if require:
+            raise UserError(f"no verified checkpoint for {resume!r} in {self.store.uri}")
+        logger.info("resume %s: no checkpoint found, starting from the beginning", resume)
+        if same_run:  # a job restarted before its first commit keeps the identity it claimed the root with
+            self.run_id = distributed.on_main(self.store.owner)
+        return None
+
+    def _load_step(self, step: int, same_run: bool) -> int:
+        manifest = distributed.on_main(lambda: self._checked_manifest(step))
         self._check_compatible(step, manifest, same_run)
         resharded = manifest.world_size != distributed.world_size()
         if resharded:
@@ -181,23 +203,31 @@ class Checkpointer:
                 manifest.world_size,
                 distributed.world_size(),
             )
-        local = self.work_dir / "checkpoint-restore" / f"step-{step}"
+        local = self.work_dir / RESTORE_DIR / f"step-{step}"
         leader = distributed.node_leader()  # one download (and conversion) per host; every rank of the host reads it
-        distributed.gather_or_raise(lambda: self._fetch(step, local, resharded) if leader else None)
-        # A checkpoint is data: DeepSpeed's files load with weights_only forced (core.safe_load), ours with
-        # weights_only=True, after every file's sha256 was verified against the manifest.
-        load_engine_checkpoint(
-            self.engine, local, UNIVERSAL_TAG if resharded else ENGINE_TAG, universal=resharded, load_module_strict=True
-        )
-        if resharded:
-            self._load_resharded(local, manifest.world_size)
-        else:
-            saved = load_torch(self._rank_file(local))
-            for name, state in self.states.items():
-                state.load_state_dict(saved[name])
-        distributed.barrier()
-        if leader:
-            shutil.rmtree(local, ignore_errors=True)
+        try:
+            distributed.gather_or_raise(lambda: self._fetch(step, local, resharded) if leader else None)
+            # A checkpoint is data: DeepSpeed's files load with weights_only forced (core.safe_load), ours with
+            # weights_only=True, after every file's sha256 was verified against the manifest. Ours are checked
+            # against their schema before anything is loaded, so a wrong state never leaves the run half-restored.
+            saved: list[dict[str, Any]] = []
+            distributed.gather_or_raise(lambda: saved.extend(self._checked_states(local, step, manifest, resharded)))
+            load_engine_checkpoint(
+                self.engine,
+                local,
+                UNIVERSAL_TAG if resharded else ENGINE_TAG,
+                universal=resharded,
+                load_module_strict=True,
+            )
+            if resharded:
+                self._load_resharded(saved)
+            else:
+                for name, state in self.states.items():
+                    state.load_state_dict(saved[0][name])
+            distributed.barrier()
+        finally:
+            if leader:
+                shutil.rmtree(local.parent, ignore_errors=True)
         logger.info("loaded checkpoint step-%d of %s", step, self.store.uri)
         self.last_step = step
         if same_run:
@@ -205,14 +235,46 @@ class Checkpointer:
         return step
 
     def _fetch(self, step: int, local: Path, resharded: bool) -> None:
-        shutil.rmtree(local, ignore_errors=True)
+        shutil.rmtree(local.parent, ignore_errors=True)  # and any step a killed restore left
         self.store.download(step, local)  # verifies every file's size and sha256 before anything loads it
         if resharded:
             convert_to_universal(local / ENGINE_TAG, local / UNIVERSAL_TAG)
 
-    def _load_resharded(self, local: Path, saved_world: int) -> None:
+    def _checked_manifest(self, step: int) -> Manifest:
+        """The step's manifest, if it lists a pipeline state for exactly each of its ranks and an engine state."""
+        manifest = self.store.read_manifest(step)
+        paths = {entry.path for entry in manifest.files}
+        expected = {self._rank_file(Path(), rank).name for rank in range(manifest.world_size)}
+        listed = {path for path in paths if _RANK_FILE.fullmatch(path)}
+        if listed != expected:
+            raise CheckpointError(
+                f"its manifest says {manifest.world_size} rank(s) but lists the pipeline states of "
+                f"{len(listed)}: missing {sorted(expected - listed)[:3]}, unexpected {sorted(listed - expected)[:3]}"
+            )
+        if not any(path.startswith(f"{ENGINE_TAG}/") for path in paths):
+            raise CheckpointError(f"its manifest lists no {ENGINE_TAG}/ files")
+        return manifest
+
+    def _checked_states(self, local: Path, step: int, manifest, resharded: bool) -> list[dict[str, Any]]:
+        """This rank's saved states (every old rank's when ``resharded``), each checked against its live object."""
+        ranks = range(manifest.world_size) if resharded else [distributed.rank()]
+        saved = [load_torch(self._rank_file(local, rank)) for rank in ranks]
+        live = {name: state.state_dict() for name, state in self.states.items()}
+        for rank, states in zip(ranks, saved):
+            # Shards of another world size have other shapes; load_resharded_state_dict checks them as it maps them.
+            where = self._rank_file(Path(), rank).name
+            problem = schema_problem(states, live, where, shapes=not resharded)
+            for name, state in self.states.items():
+                if problem is None and states[name] is None:  # only parts inside a state are optional
+                    problem = f"{where}.{name} is None"
+                if problem is None and hasattr(state, "state_problem"):
+                    problem = state.state_problem(states[name], step)
+            if problem is not None:
+                raise CheckpointError(problem)
+        return saved
+
+    def _load_resharded(self, saved: list[dict[str, Any]]) -> None:
         """Every old rank's states, mapped onto this rank of the new world size (see the module's docstring)."""
-        saved = [load_torch(self._rank_file(local, rank)) for rank in range(saved_world)]
         rank, world = distributed.rank(), distributed.world_size()
         for name, state in self.states.items():
             if hasattr(state, "load_resharded_state_dict"):
@@ -230,3 +292,47 @@ class Checkpointer:
     @staticmethod
     def _rank_file(folder: Path, rank: int | None = None) -> Path:
         return folder / f"pipeline_state_rank{distributed.rank() if rank is None else rank}.pt"
+
+
+def schema_problem(saved: Any, live: Any, where: str, *, shapes: bool = True) -> str | None:
+    """Why ``saved`` (a state read from a checkpoint) cannot be what ``live`` (the object's own ``state_dict()``)
+    saved, or None: mappings with the same keys, tensors of the same dtype (and shape, with ``shapes``), scalars of
+    the same type; a mapping or sequence like a non-empty live one, entry by entry, or plain data where the live one
+    is empty (a history that grows). None on either side is an optional part its owner handles (a run without EMA)."""
+    if saved is None or live is None:
+        return None
+    if isinstance(live, Mapping):
+        if not isinstance(saved, Mapping):
+            return f"{where} is a {type(saved).__name__}, not a mapping"
+        if not live:
+            return None if _is_plain(saved) else f"{where} holds something other than plain data"
+        if saved.keys() != live.keys():
+            missing, unexpected = sorted(map(str, live.keys() - saved.keys())), sorted(map(str, saved.keys() - live))
+            return f"{where}: missing entries {missing[:5]}, unexpected entries {unexpected[:5]}"
+        children = [(saved[key], live[key], f"{where}.{key}") for key in live]
+    elif isinstance(live, torch.Tensor):
+        if not isinstance(saved, torch.Tensor) or saved.dtype != live.dtype or (shapes and saved.shape != live.shape):
+            found = f"{saved.dtype} {list(saved.shape)}" if isinstance(saved, torch.Tensor) else type(saved).__name__
+            return f"{where} is {found}, expected a {live.dtype} tensor {list(live.shape) if shapes else ''}".rstrip()
+        return None
+    elif isinstance(live, (list, tuple)):
+        if not isinstance(saved, (list, tuple)):
+            return f"{where} is a {type(saved).__name__}, not a sequence"
+        if not live:
+            return None if _is_plain(saved) else f"{where} holds something other than plain data"
+        if len(saved) != len(live):
+            return f"{where} has {len(saved)} entries, expected {len(live)}"
+        children = [(s, v, f"{where}.{i}") for i, (s, v) in enumerate(zip(saved, live))]
+    elif type(saved) is not type(live):
+        return f"{where} is {type(saved).__name__}, expected {type(live).__name__}"
+    else:
+        return None
+    return next((p for p in (schema_problem(*child, shapes=shapes) for child in children) if p), None)
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return all(isinstance(key, str) and _is_plain(child) for key, child in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(child) for child in value)
+    return isinstance(value, _PLAIN)

@@ -65,11 +65,12 @@ def run_command(
     with contextlib.redirect_stdout(sys.stderr):
         config = load_run_config(config_path, overrides)
         setup_logging(verbosity)
-        from pipeline.recipe import SageGRPORecipe
+        from pipeline.recipe import SageGRPORecipe, retryable_signals
 
-        recipe = SageGRPORecipe(config)
-        recipe.setup(resume=resume, fresh_start=fresh_start)
-        summary = recipe.train()
+        with retryable_signals():
+            recipe = SageGRPORecipe(config)
+            recipe.setup(resume=resume, fresh_start=fresh_start)
+            summary = recipe.train()
     if distributed.is_main():
         print(_summary_text(config, summary), flush=True)
     return summary.exit_code
@@ -131,7 +132,13 @@ def sample_command(
 
 def export_command(config_path: str, overrides: list[str], checkpoint: str, out: str | None, verbosity: int = 0) -> int:
     """The diffusers-format export of any checkpoint (``auto``: the newest verified one); prints its folder."""
-    with contextlib.redirect_stdout(sys.stderr):
+    if out:  # refused before minutes of model loading; the export checks again when it writes
+        from core.export import check_replaceable
+
+        check_replaceable(out)
+    from pipeline.recipe import retryable_signals
+
+    with contextlib.redirect_stdout(sys.stderr), retryable_signals():
         recipe = _recipe_with_policy(config_path, overrides, checkpoint, verbosity)
         out_dir = Path(out) if out else recipe.config.output_dir / "exports" / recipe.checkpoint_name
         recipe.export(out_dir)

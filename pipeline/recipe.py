@@ -30,7 +30,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from core import distributed
 from core.errors import RETRYABLE_EXIT_CODE, UserError
-from core.files import atomic_write_text
+from core.export import STAGING_FOLDER
+from core.files import atomic_write_text, remove_abandoned
 from core.lora import add_lora
 from core.models import build_adapter
 from core.progress import progress_bar
@@ -93,6 +94,11 @@ class Progress:
         self.iteration, self.history, self.last_eval = state["iteration"], state["history"], state["last_eval"]
         self.mlflow_run_id = state["mlflow_run_id"] or None
 
+    @staticmethod
+    def state_problem(state: dict[str, Any], step: int) -> str | None:
+        """A checkpoint's step is the iteration it was saved after; any other count would skip or repeat training."""
+        return None if state["iteration"] == step else f"its progress says iteration {state['iteration']!r}, not {step}"
+
     def evaluated_now(self) -> dict[str, float]:
         """The eval metrics of this iteration, if it was evaluated (what the checkpoint manifest records)."""
         return self.last_eval if self.last_eval.get("iteration") == self.iteration else {}
@@ -114,6 +120,7 @@ class SageGRPORecipe:
         config.output_dir.mkdir(parents=True, exist_ok=True)
         if distributed.is_main():
             (config.output_dir / "config.json").write_text(json.dumps(masked_config(config), indent=2))
+            remove_abandoned(config.output_dir / "exports", STAGING_FOLDER)  # a full weight copy a kill left
         self._setup_prompts()
         if len(self.train_prompts) < config.rollout.prompts_per_rank * distributed.world_size():
             raise UserError(
@@ -584,6 +591,26 @@ def preemption_signals(grace_s: float):
             signal.signal(sig, handler)
 
 
+@contextmanager
+def retryable_signals():
+    """Outside the training loop (start-up, the export and publishing at the end, the ``export`` command),
+    SIGTERM and SIGUSR1 end the process at once with the retryable code, as the grace-period watchdog does: nothing
+    there can be torn (a checkpoint counts once its manifest exists, an export is renamed into place whole and a
+    killed one's staging is removed at the next start), and the restart does it again. The training loop's own
+    handler (:func:`preemption_signals`) takes over while it runs."""
+
+    def on_signal(signum, frame):
+        logger.error("%s outside the training loop: exiting with %d", signal.Signals(signum).name, RETRYABLE_EXIT_CODE)
+        _exit_now()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _exit_retryable(signal_name: str, grace_s: float) -> None:
     logger.error(
         "%s: the iteration and its checkpoint did not finish within run.preemption_grace_s=%gs; exiting "
@@ -592,5 +619,9 @@ def _exit_retryable(signal_name: str, grace_s: float) -> None:
         grace_s,
         RETRYABLE_EXIT_CODE,
     )
+    _exit_now()
+
+
+def _exit_now() -> None:
     logging.shutdown()
     os._exit(RETRYABLE_EXIT_CODE)

@@ -123,9 +123,8 @@ def test_a_model_record_refuses_kwargs_json_cannot_hold():
 
 
 def test_reexport_replaces_the_previous_export_whole(trained_lora, tmp_path):
-    export_dir = tmp_path / "lora"
-    export_dir.mkdir()
-    (export_dir / "stale.txt").write_text("from an earlier export")
+    export_dir = tmp_path / "full"
+    export_full(tiny_hunyuan15_pipeline().transformer, export_dir)
 
     export_lora(trained_lora, export_dir)
 
