@@ -92,8 +92,7 @@ def _updater(adapter, rollout, strategy: str = "dual", deepspeed_config: str = "
         deepspeed_config_name=deepspeed_config,
         accumulation_steps=config.accumulation_steps(rollout.num_samples, int(rollout.trained_steps.sum())),
     )
-    # kl_grad_ratio off: its two extra backward passes every 10th update are a diagnostic, not the update's cost.
-    return Updater(engine, adapter, config, TrustRegionConfig(strategy=strategy, kl_grad_ratio_every=0))
+    return Updater(engine, adapter, config, TrustRegionConfig(strategy=strategy))
 
 
 def _rollout(adapter, sde_config: SDEConfig, decode: bool = False):
@@ -225,7 +224,7 @@ def batched_transitions_ratio(repeats: int) -> tuple[float, float, float]:
             config,
             accumulation_steps=config.accumulation_steps(rollout.num_samples, int(rollout.trained_steps.sum())),
         )
-        updater = Updater(engine, adapter, config, TrustRegionConfig(kl_grad_ratio_every=0))
+        updater = Updater(engine, adapter, config, TrustRegionConfig())
         run = lambda updater=updater, rollout=rollout: updater.update(rollout, _advantages(rollout))  # noqa: E731
         times[k] = median_seconds({"update": run}, repeats)["update"]
     batched, single = times[TINY.sde.steps - 1], times[1]

@@ -112,35 +112,39 @@ def stepwise_kl(log_prob_old: torch.Tensor, log_prob_new: torch.Tensor) -> torch
 
 
 class KLFeedback(str, Enum):
-    """Which way the controller moves lambda_KL when the measured KL leaves the band around the target.
+    """What lambda_KL is steered by.
 
-    ``toward_target`` (default) tightens the constraint when KL is high (x1.1) and relaxes it when low (x0.9), holding
-    KL near the target as the paper says it intends. ``as_written`` is the paper's appendix read literally (x0.9 when
-    KL is high, x1.1 when low), kept so its results can be reproduced.
+    ``gradient_ratio`` (the ``calibrated`` preset): the measured update-level ratio |lambda grad KL| / |grad policy|
+    is held at a target (``GradientRatioController``), a quantity every run reaches. The other two steer by the KL
+    itself against a fixed target (``AdaptiveKLController``): ``toward_target`` tightens the constraint when KL is
+    high (x1.1) and relaxes it when low (x0.9), as the paper says it intends; ``as_written`` is the paper's appendix
+    read literally (x0.9 when KL is high, x1.1 when low), kept so its results can be reproduced. A fixed KL target
+    the run never reaches pins lambda at a bound: measured, the toy world's and the demo's KL peak ~20x below 1e-3.
     """
 
+    GRADIENT_RATIO = "gradient_ratio"
     TOWARD_TARGET = "toward_target"
     AS_WRITTEN = "as_written"
 
 
-def kl_grad_ratio_reach(
-    ratio: float, kl: float, weight: float, *, target: float, weights: tuple[float, float]
-) -> tuple[float, float]:
-    """The range of |lambda grad KL| / |grad policy| that an ``AdaptiveKLController`` can produce at its KL
-    ``target``, projected from one measurement: ``ratio`` at KL ``kl`` under weight ``weight``.
+class _KLWeight:
+    """What a KL-weight controller checkpoints: its update count, lambda and its window of measurements."""
 
-    The KL gradient is the mean offset in std units, sqrt(2 KL), times lambda, so the ratio scales by
-    lambda / weight and sqrt(target / kl); ``weights`` is lambda's range (``initial``, ``maximum``). One micro-step's
-    ratio is noisy (it varies ~100x around this law on the tiny model), so the reach is good for orders of
-    magnitude, not digits: enough to tell a trust region that can act from one that is inert by construction.
-    """
-    if not (kl > 0 and weight > 0 and target > 0):
-        raise ValueError(f"need kl, weight and target > 0, got {kl}, {weight}, {target}")
-    per_weight = ratio / weight * math.sqrt(target / kl)
-    return per_weight * weights[0], per_weight * weights[1]
+    steps: int
+    value: float
+    measurements: deque[float]
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "value": self.value, "measurements": list(self.measurements)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state["steps"])
+        self.value = float(state["value"])
+        self.measurements.clear()
+        self.measurements.extend(float(m) for m in state["measurements"])
 
 
-class AdaptiveKLController:
+class AdaptiveKLController(_KLWeight):
     """lambda_KL: linear warm-up from ``initial`` to ``maximum`` over ``warmup_steps`` updates, then feedback
     (from ``initial`` when there is no warm-up).
 
@@ -171,8 +175,9 @@ class AdaptiveKLController:
         self.value = initial  # warm-up starts here; without warm-up, feedback starts here
         self.measurements: deque[float] = deque(maxlen=history)
 
-    def update(self, measured_kl: float) -> float:
-        """Record one optimizer step's KL and return the weight to use for the next step."""
+    def update(self, measured_kl: float, measured_ratio: float | None = None) -> float:
+        """Record one optimizer step's KL and return the weight to use for the next step (the gradient ratio is not
+        this controller's signal)."""
         self.measurements.append(float(measured_kl))
         self.steps += 1
         if self.steps <= self.warmup_steps:
@@ -187,11 +192,34 @@ class AdaptiveKLController:
         self.value = min(max(self.value * factor, self.initial), self.maximum)
         return self.value
 
-    def state_dict(self) -> dict:
-        return {"steps": self.steps, "value": self.value, "measurements": list(self.measurements)}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.steps = int(state["steps"])
-        self.value = float(state["value"])
-        self.measurements.clear()
-        self.measurements.extend(float(m) for m in state["measurements"])
+class GradientRatioController(_KLWeight):
+    """lambda_KL holding the update-level gradient ratio r = |lambda grad KL| / |grad policy| at ``target``.
+
+    For one update r is exactly proportional to lambda, so each measured update gives lambda's gain g = r / lambda.
+    The next lambda is target / (geometric mean of the last ``history`` gains), clipped to [``minimum``, ``maximum``]:
+    averaged over an anchor cycle (``history`` = N), so within a cycle the KL's pull still grows with the distance
+    from the anchor, which is what a moving anchor is for, while the cycle's average strength is held at the target.
+    An update without a measurement (None: a KL reference was just refreshed, so the KL and its gradient are 0 and
+    say nothing about strength) leaves lambda as it is; so does a measured ratio of 0 (no KL gradient to scale).
+    """
+
+    def __init__(self, *, initial: float, minimum: float, maximum: float, target: float, history: int):
+        if not 0 < minimum <= initial <= maximum:
+            raise ValueError(f"need 0 < minimum <= initial <= maximum, got {minimum}, {initial}, {maximum}")
+        if target <= 0 or history < 1:
+            raise ValueError(f"need target > 0 and history >= 1, got {target}, {history}")
+        self.minimum, self.maximum, self.target = minimum, maximum, target
+        self.steps = 0
+        self.value = initial
+        self.measurements: deque[float] = deque(maxlen=history)  # log gains
+
+    def update(self, measured_kl: float, measured_ratio: float | None = None) -> float:
+        """Record one optimizer update's gradient ratio (measured at the current lambda) and return the next lambda."""
+        self.steps += 1
+        if measured_ratio is None or not measured_ratio > 0 or not math.isfinite(measured_ratio):
+            return self.value
+        self.measurements.append(math.log(measured_ratio / self.value))
+        mean_log_gain = sum(self.measurements) / len(self.measurements)
+        self.value = min(max(self.target / math.exp(mean_log_gain), self.minimum), self.maximum)
+        return self.value

@@ -32,6 +32,9 @@ class SDEStepOutput:
     log_prob: torch.Tensor
     mean: torch.Tensor
     std: torch.Tensor
+    # The network's prediction the step was computed from: the update differentiates each loss term with respect to
+    # it to compare the terms' pushes on the model's output (``stages.update.OutputGradients``).
+    velocity: torch.Tensor | None = None
 
 
 def check_variant(variant: str) -> str:
@@ -168,7 +171,7 @@ def sde_step(
     else:
         sample = prev_sample.to(dtype)
     log_prob = gaussian_log_prob(sample, mean, std)
-    return SDEStepOutput(prev_sample=sample, log_prob=log_prob, mean=mean, std=std)
+    return SDEStepOutput(prev_sample=sample, log_prob=log_prob, mean=mean, std=std, velocity=velocity)
 
 
 # ----------------------------------------------------------------------------------------------------------------

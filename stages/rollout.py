@@ -283,7 +283,9 @@ def score_transition(
         steps, eta = t, float(rollout.step_etas[t])
         sigma, sigma_next = _step_sigmas(rollout.sigmas, t, len(samples), rollout.latents.device)
     x = rollout.latents[on_device, steps]
-    velocity = adapter.predict_velocity(x, sigma, rollout.sample_embeddings(samples), module=module)
+    # A view: a node of its own, so differentiating a loss with respect to the velocity stops there and never runs
+    # the hooks DeepSpeed or torch attach to the network's output tensor.
+    velocity = adapter.predict_velocity(x, sigma, rollout.sample_embeddings(samples), module=module).view_as(x)
     return sde_step(
         rollout.sde_config.sde_variant,
         velocity,

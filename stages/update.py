@@ -15,14 +15,16 @@ Recipe, per rollout:
      term's reference, pi_{k-1}) becomes this update's starting weights once the update was applied; the EMA of the
      weights (``ema_decay``, for evaluation and export through ``Updater.ema_swapped_in``) takes a step.
 
-Why the calibrated lambda (``trust_region.preset: calibrated``). Log-prob and KL are both per-element means in units
-of the step's std, so for one micro-step |grad policy| ~ |A| / (std sqrt(E)) and |grad lambda KL| ~ lambda (dmu/std) /
-(std sqrt(E)): their ratio is about lambda sqrt(2 KL) / |A|, whatever the model size or video resolution (E cancels).
-The controller holds the KL near ``kl_target`` (1e-3 per element, i.e. dmu ~ 0.045 std from the anchor), so lambda in
-[0.1, 10] puts the ratio in [0.005, 0.45] at the target, ~0.01-0.3 in practice (measured on the tiny model: the
-first measurement matched the estimate to 5%). The paper's lambda in [1e-7, 1e-5] gives ~1e-6: kept as the
-``paper`` preset, inert. ``update/kl_grad_ratio`` is measured (two extra backward passes on one micro-step every
-``kl_grad_ratio_every`` updates) so a user sees which regime a run is in.
+How strong the trust region is (``update/kl_grad_ratio``, ``OutputGradients``). On every update each loss term is
+differentiated with respect to the model's output (the predicted velocity of every trained sample and timestep) and
+the squared norms are summed over the update's micro-steps and all ranks: |lambda sum grad KL| / |sum grad policy|, in
+total and per term (``/position``, ``/velocity``). It is the ratio of the two pushes on what the network predicts,
+the same on every ZeRO stage, full or LoRA, at the cost of three backward passes through the SDE step's arithmetic
+(not the network) per micro-step. No closed form predicts it: S_t weights only the policy term, and the KL's
+gradient grows with the distance from its reference, 0 on an update whose reference was just refreshed; such
+updates are not measured. The ``calibrated`` preset steers lambda to hold the ratio at ``kl_ratio_target``
+(``core.grpo.GradientRatioController``); the ``paper`` preset's lambda in [1e-7, 1e-5] steers by the KL and leaves
+the ratio ~1e-6 (inert).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from core.errors import UserError
 from core.grpo import (
     AdaptiveKLController,
     Advantages,
+    GradientRatioController,
     KLFeedback,
     SurrogateTerms,
     clipped_surrogate,
@@ -61,10 +64,6 @@ logger = logging.getLogger(__name__)
 
 # Beside the packages in a checkout and in an installed wheel, which ships it as package data (pyproject.toml).
 DEEPSPEED_CONFIGS = Path(__file__).resolve().parent.parent / "deepspeed_configs"
-
-CALIBRATED_LAMBDA_MIN = 0.1
-CALIBRATED_LAMBDA_MAX = 10.0
-CALIBRATED_KL_TARGET = 1e-3
 
 
 class UpdateConfig(BaseModel):
@@ -154,18 +153,18 @@ class UpdateConfig(BaseModel):
         )
 
 
-# The adaptive KL weight's numbers per preset. "paper" is the appendix literally (lambda in [1e-7, 1e-5], target 1e-5):
-# on our per-element-mean KL its gradient is ~1e-5 of the policy term's, so it is inert (measured: README, Choices).
-# "calibrated" (default) puts lambda where the KL gradient is a useful fraction of the policy gradient; see the
-# module docstring for the reasoning.
+# The adaptive KL weight's numbers per preset. "paper" is the appendix literally (lambda in [1e-7, 1e-5], KL target
+# 1e-5): on our per-element-mean KL its gradient is ~1e-6 of the policy term's, so it is inert (measured: README).
+# "calibrated" (default) holds the measured gradient ratio at kl_ratio_target, lambda free over six decades.
 KL_PRESETS: dict[str, dict[str, Any]] = {
     "calibrated": dict(
-        kl_initial=CALIBRATED_LAMBDA_MIN,
-        kl_maximum=CALIBRATED_LAMBDA_MAX,
+        kl_initial=0.1,
+        kl_minimum=1e-4,
+        kl_maximum=100.0,
         kl_warmup_steps=0,
-        kl_history=3,
-        kl_target=CALIBRATED_KL_TARGET,
-        kl_feedback=KLFeedback.TOWARD_TARGET,
+        kl_history=10,
+        kl_target=1e-3,
+        kl_feedback=KLFeedback.GRADIENT_RATIO,
     ),
     "paper": dict(
         kl_initial=1e-7,
@@ -194,27 +193,54 @@ class TrustRegionConfig(BaseModel):
     anchor_interval: int = Field(10, ge=1)
     anchor_offload: bool = False
     kl_initial: float = Field(gt=0)
+    # lambda's floor under gradient_ratio feedback (the KL-steered feedbacks use kl_initial as theirs)
+    kl_minimum: float | None = Field(None, gt=0)
     kl_maximum: float = Field(gt=0)
     kl_warmup_steps: int = Field(ge=0)
     kl_history: int = Field(ge=1)
+    # The KL the toward_target / as_written feedbacks steer to (per element, in units of the step's variance).
     kl_target: float = Field(gt=0)
+    # The update-level |lambda grad KL| / |grad policy| the gradient_ratio feedback holds (update/kl_grad_ratio).
+    # Measured on the tiny HunyuanVideo 1.5 under a reward it can chase (tests/distributed/trust_region_worker.py, 12
+    # updates): 0.07 stopped learning, 0.03 slowed it 18x, 0.01 kept it with 25x less drift from the start than no KL.
+    kl_ratio_target: float = Field(0.01, gt=0)
     kl_feedback: KLFeedback
-    # update/kl_grad_ratio is measured on one micro-step every this many updates (two extra backward passes); 0: off.
-    kl_grad_ratio_every: int = Field(10, ge=0)
 
     @model_validator(mode="before")
     @classmethod
     def _fill_from_preset(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            if "kl_grad_ratio_every" in data:
+                raise ValueError(
+                    "kl_grad_ratio_every was removed: update/kl_grad_ratio is measured on every update at no extra "
+                    "network pass; delete the key"
+                )
             preset = data.get("preset", "calibrated")
             if preset in KL_PRESETS:
                 data = KL_PRESETS[preset] | data
         return data
 
+    @model_validator(mode="after")
+    def _lambda_range(self) -> TrustRegionConfig:
+        if not (self.kl_minimum or self.kl_initial) <= self.kl_initial <= self.kl_maximum:
+            raise ValueError(
+                f"need kl_minimum <= kl_initial <= kl_maximum, got {self.kl_minimum}, {self.kl_initial}, "
+                f"{self.kl_maximum}"
+            )
+        return self
+
     def region(self) -> TrustRegion:
         return TrustRegion(self.strategy, self.position_weight, self.stepwise_weight, self.anchor_interval)
 
-    def controller(self) -> AdaptiveKLController:
+    def controller(self) -> AdaptiveKLController | GradientRatioController:
+        if self.kl_feedback is KLFeedback.GRADIENT_RATIO:
+            return GradientRatioController(
+                initial=self.kl_initial,
+                minimum=self.kl_minimum or self.kl_initial,
+                maximum=self.kl_maximum,
+                target=self.kl_ratio_target,
+                history=self.kl_history,
+            )
         return AdaptiveKLController(
             initial=self.kl_initial,
             maximum=self.kl_maximum,
@@ -476,8 +502,7 @@ def _inputs_require_grad(module: torch.nn.Module, args: tuple, kwargs: dict):
 
     def lifted(value):
         if torch.is_tensor(value) and value.is_floating_point() and not value.requires_grad:
-            # A view, not the new leaf itself: autograd.grad (the kl_grad_ratio measurement) refuses full backward
-            # hooks on leaf tensors.
+            # A view, not the new leaf itself: torch.autograd.grad refuses full backward hooks on leaf tensors.
             return value.detach().requires_grad_().view_as(value)
         return value
 
@@ -570,6 +595,52 @@ class Transition:
         )
 
 
+class OutputGradients:
+    """One optimizer update's squared gradient norms of the policy term, the position KL, the velocity KL and their
+    weighted sum, with respect to the model's output (the predicted velocity), summed over its micro-steps.
+
+    Each micro-step predicts different outputs, so the update's output-space gradient is their concatenation and its
+    squared norm the sum of the micro-steps'; over ranks likewise (the all-reduced mean differs from the sum by the
+    same factor for every term, which the ratio cancels).
+    """
+
+    TERMS = ("policy", "position", "velocity", "kl")
+
+    def __init__(self):
+        self.rows: list[torch.Tensor] = []
+
+    def add(self, terms: LossTerms, region: TrustRegion) -> None:
+        """Differentiate ``terms`` with respect to their output (the graph stays for the backward)."""
+        policy, position, velocity = (
+            _output_gradient(value, terms.output) for value in (terms.policy, terms.position_kl, terms.velocity_kl)
+        )
+        kl = region.total_kl(position, velocity)
+        kl = kl if torch.is_tensor(kl) else torch.zeros_like(policy)
+        self.rows.append(torch.stack([g.float().pow(2).sum() for g in (policy, position, velocity, kl)]))
+
+    def ratios(self, kl_weight: float, region: TrustRegion) -> dict[str, float] | None:
+        """|lambda sum grad KL| / |sum grad policy| in total ("") and per term, over every rank; None when the
+        policy term has no gradient (every advantage 0) or a gradient is not finite. Collective: every rank calls
+        it."""
+        sums = torch.stack(self.rows).sum(0).double().cpu() if self.rows else torch.zeros(len(self.TERMS))
+        squared = distributed.all_reduce_mean(dict(zip(self.TERMS, sums.tolist())))
+        if not (squared["policy"] > 0 and all(map(math.isfinite, squared.values()))):
+            return None
+        policy = math.sqrt(squared["policy"])
+        return {
+            "": kl_weight * math.sqrt(squared["kl"]) / policy,
+            "position": kl_weight * region.position_weight * math.sqrt(squared["position"]) / policy,
+            "velocity": kl_weight * region.stepwise_weight * math.sqrt(squared["velocity"]) / policy,
+        }
+
+
+def _output_gradient(value: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    if not (value.requires_grad and output.requires_grad):
+        return torch.zeros_like(output)
+    (gradient,) = torch.autograd.grad(value, output, retain_graph=True, allow_unused=True)
+    return torch.zeros_like(output) if gradient is None else gradient
+
+
 @dataclass
 class _Totals:
     """Each micro-step's scalars, kept on the policy's device until read: one host sync per optimizer update. A
@@ -579,7 +650,10 @@ class _Totals:
     FIELDS = ("loss", "policy_loss", "kl", "position_kl", "velocity_kl", "clip_fraction", "ratio_mean")
 
     rows: list[torch.Tensor] = field(default_factory=list)
-    kl_grad_ratio: float | None = None
+    gradients: OutputGradients = field(default_factory=OutputGradients)
+    # One entry per measured optimizer update: {"": total, "position": ..., "velocity": ...}
+    ratios: list[dict[str, float]] = field(default_factory=list)
+    kl_weight: float = math.nan  # the lambda the (last) update trained with
 
     def add(self, terms: LossTerms) -> None:
         ratio = terms.surrogate.ratio.detach().float()
@@ -598,6 +672,14 @@ class _Totals:
 
     def merge(self, other: _Totals) -> None:
         self.rows += other.rows
+        self.ratios += other.ratios
+        self.kl_weight = other.kl_weight
+
+    def ratio_means(self) -> dict[str, float]:
+        """The measured updates' gradient ratios, averaged; empty when no update of the rollout was measured."""
+        if not self.ratios:
+            return {}
+        return {key: sum(r[key] for r in self.ratios) / len(self.ratios) for key in self.ratios[0]}
 
     def _table(self) -> torch.Tensor:
         return torch.stack(self.rows).double().cpu() if self.rows else torch.empty(0, len(self.FIELDS) + 2)
@@ -621,6 +703,7 @@ class LossTerms:
     position_kl: torch.Tensor
     velocity_kl: torch.Tensor
     surrogate: SurrogateTerms
+    output: torch.Tensor | None = None  # the predicted velocity every term was computed from
 
 
 def micro_step_loss(
@@ -653,77 +736,7 @@ def micro_step_loss(
         velocity = stepwise_kl(old_log_prob, step.log_prob) if region.uses_stepwise_kl else zero
     kl = region.total_kl(position, velocity)
     kl = kl if torch.is_tensor(kl) else zero
-    return LossTerms(policy + kl_weight * kl, policy, kl, position, velocity, surrogate)
-
-
-class _LeafReduction:
-    """DeepSpeed's gradient reduction for ZeRO-3 leaf modules, which can be held back. It runs in a full backward hook
-    on each leaf, so it would also run inside the torch.autograd.grad passes of ``gradient_norms`` and fail there
-    (DeepSpeed counts the hooks of a real backward); torch captures the hooks when the forward runs, so each is
-    wrapped once here and asked at call time whether it may run."""
-
-    def __init__(self, module: torch.nn.Module):
-        from deepspeed.utils import z3_leaf_module
-
-        self.held = False
-        for leaf in (m for m in module.modules() if z3_leaf_module(m)):
-            for key, hook in list(leaf._backward_hooks.items()):
-                leaf._backward_hooks[key] = self._gated(hook)
-
-    def _gated(self, hook):
-        def gated(module, grad_input, grad_output):
-            return None if self.held else hook(module, grad_input, grad_output)
-
-        return gated
-
-    @contextmanager
-    def held_back(self):
-        self.held = True
-        try:
-            yield
-        finally:
-            self.held = False
-
-
-@dataclass(frozen=True)
-class GradientNorms:
-    """Root-mean-square over ranks of each rank's gradient norm of the policy term and of lambda x KL."""
-
-    policy: float
-    kl: float
-
-    @property
-    def ratio(self) -> float:
-        """|lambda grad KL| / |grad policy term|: whether the trust region acts (0.01-0.3 is a useful band; 1e-5, the
-        paper's numbers on our per-element KL, means it does nothing)."""
-        return self.kl / self.policy if self.policy > 0 else float("nan")
-
-    @property
-    def policy_term_silent(self) -> bool:
-        """No policy gradient while the KL has one: every sample of this micro-step clipped or without advantage, so
-        another micro-step of the update tells more. (Both zero is the start of a run, or a measurement that cannot
-        see the gradients, where another micro-step would tell nothing.)"""
-        return self.policy == 0 and self.kl > 0
-
-
-def gradient_norms(terms: LossTerms, kl_weight: float, params: list[torch.nn.Parameter]) -> GradientNorms:
-    """The norms of the policy term's and of lambda x KL's gradients over ``params``, all-reduced over ranks (a rank
-    whose chunk has zero advantages does not make the ratio undefined). Keeps the graph for the backward."""
-
-    def squared_norm(value: torch.Tensor) -> float:
-        if not value.requires_grad:
-            return 0.0
-        grads = torch.autograd.grad(value, params, retain_graph=True, allow_unused=True)
-        return float(sum((g.float() ** 2).sum() for g in grads if g is not None))
-
-    # Both passes on every rank, whatever the first gives: under ZeRO-3 each fetches parameters collectively.
-    squared = {"policy": squared_norm(terms.policy), "kl": squared_norm(kl_weight * terms.kl)}
-    means = distributed.all_reduce_mean(squared)
-    return GradientNorms(math.sqrt(means["policy"]), math.sqrt(means["kl"]))
-
-
-# Micro-steps of an update the kl_grad_ratio measurement tries before it reports NaN (each costs two backward passes).
-RATIO_ATTEMPTS = 3
+    return LossTerms(policy + kl_weight * kl, policy, kl, position, velocity, surrogate, step.velocity)
 
 
 class Updater:
@@ -738,7 +751,6 @@ class Updater:
         self.trust = trust_config.region()
         self.trust_config = trust_config
         self.controller = trust_config.controller()
-        self._leaf_reduction = _LeafReduction(engine.module)
         offload = trust_config.anchor_offload
         self.anchor = Anchor.snapshot(engine.module, offload=offload) if self.trust.needs_anchor else None
         lagged = self.trust.uses_stepwise_kl and trust_config.velocity_estimator == "lagged"
@@ -766,23 +778,20 @@ class Updater:
                 "micro_batch_size and build the engine with UpdateConfig.accumulation_steps"
             )
         totals, skipped = _Totals(), 0
-        measure = RATIO_ATTEMPTS if self._ratio_due() else 0
         bar = progress_bar(
             total=sum(map(len, minibatches)), desc="update", unit="step", leave=False, dynamic_ncols=True
         )
         for micro_steps in minibatches:
             if self.lagged is not None:
                 self.lagged.stage()  # this update's starting weights: the lagged policy once the update is applied
-            minibatch = _Totals()
+            minibatch = _Totals(kl_weight=self.controller.value)
+            measured = self._strength_measurable()
             for terms in self.losses(rollout, advantages, weights, micro_steps):
-                if measure:
-                    with self._leaf_reduction.held_back():
-                        norms = gradient_norms(terms, self.controller.value, self._trainable())
-                    totals.kl_grad_ratio = norms.ratio
-                    measure = measure - 1 if norms.policy_term_silent else 0  # all-reduced: the same on every rank
+                minibatch.add(terms)
+                if measured:
+                    minibatch.gradients.add(terms, self.trust)
                 self.engine.backward(terms.loss)
                 self.engine.step()
-                minibatch.add(terms)
                 bar.update()
             skipped += self._after_update(minibatch)
             totals.merge(minibatch)
@@ -830,17 +839,15 @@ class Updater:
         with self.ema.swapped_in():
             yield
 
-    def _ratio_due(self) -> bool:
-        every = self.trust_config.kl_grad_ratio_every
-        # Below ZeRO-3, DeepSpeed's backward hooks fire inside a separate torch.autograd.grad pass and fail (stage 0:
-        # "direct backward not supported", 1/2: reduce_ipg_grads): there the ratio is not measured (no metric).
-        measurable = self.engine.zero_optimization_stage() == 3
-        return (
-            bool(every) and measurable and self.trust.strategy is not KLStrategy.NONE and self.updates_done % every == 0
-        )
-
-    def _trainable(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.engine.module.parameters() if p.requires_grad]
+    def _strength_measurable(self) -> bool:
+        """Whether the next update's gradient ratio says how strong the trust region is: not when a KL reference
+        equals the policy (the initial weights, or an anchor refreshed after the last update), where its KL and
+        gradient are exactly 0. The same on every rank (it follows the all-reduced update count)."""
+        if self.trust.strategy is KLStrategy.NONE:
+            return False
+        anchor_fresh = self.anchor is not None and (self.updates_done == 0 or self.trust.refresh_due(self.updates_done))
+        lagged_fresh = self.lagged is not None and self.updates_done == 0
+        return not (anchor_fresh or lagged_fresh)
 
     def _transitions(self, rollout) -> list[Transition]:
         """Every micro-step of this rollout in training order: its (chunk, timestep) pairs shuffled (seeded by the
@@ -912,8 +919,12 @@ class Updater:
             self.skipped_updates += 1
             return 1
         self.updates_done += 1
-        # The KL of this update averaged over ranks, so every rank's controller (and checkpoint) agrees.
-        self.controller.update(distributed.all_reduce_mean({"kl": minibatch.means().get("kl", 0.0)})["kl"])
+        ratios = minibatch.gradients.ratios(self.controller.value, self.trust) if minibatch.gradients.rows else None
+        if ratios is not None:
+            minibatch.ratios.append(ratios)
+        # Both signals over all ranks, so every rank's controller (and checkpoint) agrees.
+        kl = distributed.all_reduce_mean({"kl": minibatch.means().get("kl", 0.0)})["kl"]
+        self.controller.update(kl, None if ratios is None else ratios[""])
         if self.lagged is not None:
             self.lagged.commit()
         if self.anchor is not None and self.trust.refresh_due(self.updates_done):
@@ -939,9 +950,9 @@ class Updater:
             metrics["ratio_min"], metrics["ratio_max"] = ratio_min, ratio_max
         else:  # this rank's largest |log pi_train - log pi_rollout| over the update
             metrics["logprob_mismatch"] = max(_log_distance(ratio_min), _log_distance(ratio_max))
-        if totals.kl_grad_ratio is not None:  # already over all ranks
-            metrics["kl_grad_ratio"] = totals.kl_grad_ratio
-        metrics["lambda_kl"] = self.controller.value
+        for term, ratio in totals.ratio_means().items():  # already over all ranks
+            metrics["kl_grad_ratio" + (f"/{term}" if term else "")] = ratio
+        metrics["lambda_kl"] = totals.kl_weight
         grad_norm = self.engine.get_global_grad_norm()
         metrics["grad_norm"] = float("nan") if grad_norm is None else float(grad_norm)
         # As HF Trainer and torchtune log it: the scheduler's rate after this iteration's updates (the next update's),

@@ -111,3 +111,34 @@ class LinearAdapter(VideoModelAdapter):
 
     def decode(self, latents):
         raise AssertionError("not decoded")
+
+
+class SGDEngine(torch.nn.Module):
+    """DeepSpeed's engine contract as the Updater uses it: gradients accumulate over the micro-steps of an update and
+    the optimizer applies at its boundary."""
+
+    def __init__(self, module, accumulation: int):
+        super().__init__()
+        self.module, self.accumulation, self.micro_steps = module, accumulation, 0
+        self.optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def gradient_accumulation_steps(self):
+        return self.accumulation
+
+    def backward(self, loss):
+        (loss / self.accumulation).backward()
+
+    def step(self):
+        self.micro_steps += 1
+        if self.micro_steps % self.accumulation == 0:
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+
+    def was_step_applied(self):
+        return True
+
+    def get_global_grad_norm(self):
+        return None

@@ -31,19 +31,17 @@ import torch
 from core import distributed
 from core.grpo import group_advantages
 from core.rewards.base import VideoBatch, weighted_total
-from stages.rollout import SDEConfig, generate, score_transition
+from stages.rollout import SDEConfig, generate
 from stages.update import (
     TrustRegionConfig,
     UpdateConfig,
     Updater,
     accumulation_steps,
     build_engine,
-    gradient_norms,
-    micro_step_loss,
 )
 
 from . import world
-from .model import build_transformer, train_used_weights
+from .model import train_used_weights
 from .pretrain import SHIFT, PretrainConfig, evaluate, pretrained_adapter
 from .rewards import WEIGHTS, ToyWorldReward, manifold_drift
 
@@ -82,7 +80,6 @@ class Config:
     iterations: int = 30
     eval_every: int = 5
     eval_samples_per_caption: int = 4
-    kl_grad_ratio_every: int = 5
     deepspeed_config: str = "zero2"  # ZeRO-3's per-layer gathers only cost time on one CPU process
     pretrain: PretrainConfig = PretrainConfig()
 
@@ -156,9 +153,7 @@ def _updater(adapter, config: Config, seed: int) -> Updater:
     update_config = UpdateConfig(
         learning_rate=config.learning_rate, micro_batch_size=samples, seed=seed, equalizer=config.equalizer != "off"
     )
-    # The Updater's own kl_grad_ratio (autograd.grad through the engine's forward) crashes under ZeRO-0/1/2: DeepSpeed's
-    # backward hooks fire inside autograd.grad. ``_kl_grad_ratio`` measures it on a hook-free copy instead.
-    trust_config = TrustRegionConfig(strategy=config.kl, anchor_interval=config.anchor_interval, kl_grad_ratio_every=0)
+    trust_config = TrustRegionConfig(strategy=config.kl, anchor_interval=config.anchor_interval)
     trained_steps = int(config.sde().trained_steps_mask().sum())
     engine = build_engine(
         adapter.transformer,
@@ -169,31 +164,6 @@ def _updater(adapter, config: Config, seed: int) -> Updater:
     if config.equalizer == "cap":
         return CappedEqualizerUpdater(engine, adapter, update_config, trust_config, cap=config.equalizer_cap)
     return Updater(engine, adapter, update_config, trust_config)
-
-
-def _kl_grad_ratio(updater: Updater, adapter, rollout, advantages) -> float:
-    """|lambda grad KL| / |grad policy term| on the update's first micro-step, as ``stages.update.gradient_norms``
-    measures it, but through a copy of the policy that DeepSpeed has not hooked (the reference means go through the
-    engine without gradients, as ``Updater._reference_means`` computes them for the update)."""
-    transition = updater._transitions(rollout)[0]
-    index, t = transition.samples, transition.step
-    references = updater._reference_means(rollout, [transition])[0]
-    policy = train_used_weights(build_transformer())
-    policy.load_state_dict(updater.engine.module.state_dict())
-    step = score_transition(adapter, rollout, index, t, module=policy)
-    weights = updater._timestep_weights(rollout)
-    terms = micro_step_loss(
-        step,
-        rollout.log_probs[index, t],
-        advantages.values[index],
-        advantages.valid[index].float(),
-        float(weights[t]),
-        updater.trust,
-        updater.controller.value,
-        clip_range=updater.config.clip_range,
-        **references,
-    )
-    return gradient_norms(terms, updater.controller.value, [p for p in policy.parameters() if p.requires_grad]).ratio
 
 
 def _mean(values) -> float:
@@ -222,9 +192,6 @@ def _iteration(adapter, updater: Updater, config: Config, seed: int, iteration: 
     totals = weighted_total(scores, WEIGHTS, samples)
     drift = manifold_drift(videos)
     advantages = group_advantages(totals, rollout.group_ids)
-    # Not at iteration 0: the anchor and the lagged policy are the policy itself there, so the ratio is trivially 0.
-    due = config.kl != "none" and config.kl_grad_ratio_every and (iteration + 1) % config.kl_grad_ratio_every == 0
-    ratio = _kl_grad_ratio(updater, adapter, rollout, advantages) if due else None
     update_start = time.perf_counter()
     metrics = updater.update(rollout, advantages)
     return {
@@ -234,7 +201,8 @@ def _iteration(adapter, updater: Updater, config: Config, seed: int, iteration: 
         "drift": _mean(drift),
         "kl": metrics["kl"],
         "lambda_kl": metrics["lambda_kl"],
-        "kl_grad_ratio": ratio,
+        # The update-level ratios (None on an update whose KL reference was just refreshed: not measured).
+        **{key: metrics.get(key) for key in ("kl_grad_ratio", "kl_grad_ratio/position", "kl_grad_ratio/velocity")},
         "grad_norm": metrics["grad_norm"],
         "equalizer_max": metrics["equalizer_max"],
         "skipped": metrics["skipped"],

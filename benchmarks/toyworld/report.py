@@ -332,6 +332,15 @@ COLUMNS = [
 ]
 
 
+def _ratio_meaning(config: dict) -> str:
+    if "kl_grad_ratio_every" in config:  # results of the sweep before the update-level measurement
+        return (
+            f"|lambda grad KL| / |grad policy| in the weights, on one random micro-step every "
+            f"{config['kl_grad_ratio_every']} updates"
+        )
+    return "the update-level |lambda grad KL| / |grad policy| on the model's output, mean over measured updates"
+
+
 def _cell(stat: dict, name: str, digits: int, seeds: int) -> str:
     if name == "reached":
         return f"{round(stat['mean'] * seeds) if stat['n'] else 0}/{seeds}"
@@ -439,9 +448,9 @@ def markdown(saved: dict, summary: dict, claims: list[dict], data: Path, figure:
         "",
         f"Columns: mean ± standard error over seeds. Gains: after minus before training, on the ODE evaluation "
         f"(reward = Setting B total). Initial rollout drift: the first rollout, before any update (the sampler's "
-        f"noise alone). kl_grad_ratio: |lambda grad KL| / |grad policy| (every {config['kl_grad_ratio_every']} "
-        f"updates). Threshold: the ODE eval reward {THRESHOLD_GAIN:g} above the pretrained model's (seconds count "
-        f"rollout and update only). Verdicts: an arm beats another when the difference of means exceeds "
+        f"noise alone). kl_grad_ratio: {_ratio_meaning(config)}. Threshold: the ODE eval reward "
+        f"{THRESHOLD_GAIN:g} above the pretrained model's (seconds count rollout and update only). Verdicts: an arm "
+        f"beats another when the difference of means exceeds "
         f"{COMPARISON_Z:g} standard errors of the difference; the learning claim needs {LEARNING_Z:g}.",
         "",
         *(

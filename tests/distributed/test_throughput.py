@@ -61,6 +61,8 @@ def test_the_ema_follows_its_formula_swaps_in_and_out_and_resumes_bit_identicall
 def test_zero3_gathers_each_transformer_block_whole_and_trains_the_same_weights(report, request, case):
     run = report["leaf"][case]
     assert run["weights_moved"] > 1e-4
+    if case == "kl_grad_ratio_each_update":  # measured on every ZeRO stage (update 2: the references have moved)
+        assert run["kl_grad_ratio"] > 0
     if "zero2" in request.node.callspec.id:  # ZeRO-2 holds every parameter whole: there is nothing to gather
         assert run["leaves"] == []
         return
@@ -78,13 +80,11 @@ def test_zero3_gathers_each_transformer_block_whole_and_trains_the_same_weights(
     # Gathering a block at once changes when parameters are fetched, not the arithmetic: bit for bit the same
     # weights and metrics as with a fetch per submodule.
     assert run["weights_difference"] == 0.0 and run["metrics_differing"] == []
-    if case == "kl_grad_ratio_each_update" and "zero3" in request.node.callspec.id:  # measured under ZeRO-3 only
-        assert run["kl_grad_ratio"] > 0
 
 
 def test_measuring_the_kl_gradient_ratio_leaves_training_unchanged(report):
-    # Its torch.autograd.grad passes run on the micro-step's own graph, with the leaf blocks' gradient reduction
-    # held back: nothing of them reaches the optimizer (a separate forward for it once tripled the grad norm).
+    # Its torch.autograd.grad passes stop at the model's output (a view of its own): they never reach the network,
+    # its DeepSpeed hooks or the optimizer.
     assert report["leaf"]["kl_grad_ratio_each_update"]["measurement_difference"] == 0.0
 
 

@@ -1,6 +1,7 @@
 """The GRPO update under real DeepSpeed ZeRO-3 with gloo on CPU: 1 and 2 processes launched by torchrun."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -62,19 +63,46 @@ def test_nan_loss_on_one_rank_skips_the_step_on_all_ranks(scenario):
         assert report["history"][4]["updates_done"] == 4
 
 
-def test_velocity_kl_and_gradient_ratio_under_zero3(scenario):
-    kind, _, reports = scenario
-    for report in reports[2]:
+def test_velocity_kl_is_positive_from_the_second_update(scenario):
+    for report in scenario[2][2]:
         history = report["history"]
         assert history[0]["velocity_kl"] == 0.0 and history[1]["velocity_kl"] > 0
-        # The measurement sees both gradients through ZeRO-3's partitioned parameters, LoRA and full fine-tuning
-        # alike: a policy gradient and no KL yet on the first update, both on a later one. (This worker reuses one
-        # rollout at lr 1e-3 with clip range 1e-4, so a later update can clip every measured sample: NaN there is a
-        # policy term without gradient beside a KL term with one, on 1 rank as on 2.)
-        assert history[0]["kl_grad_ratio"] == 0.0
-        assert any(h["kl_grad_ratio"] > 0 for h in history[1:]), [h["kl_grad_ratio"] for h in history]
         # Update 4 is skipped: the lagged copy stays one applied update behind, so update 5 still sees a KL.
         assert history[4]["velocity_kl"] > 0
+
+
+# anchor_interval = 2: update 1 starts at both references, update 3 at the anchor refreshed after update 2, update 4
+# is skipped (its loss is NaN on one rank); update 2 is measured. (Update 5 may clip every sample of the reused
+# rollout, lr 1e-3 against clip range 1e-4: no policy gradient, so no ratio, rather than an infinite one.)
+MEASURED = [False, True, False, False]
+RATIOS = ("kl_grad_ratio", "kl_grad_ratio/position", "kl_grad_ratio/velocity")
+
+
+def _check_gradient_ratios(reports: list[dict]) -> None:
+    for report in reports:
+        history = report["history"]
+        assert ["kl_grad_ratio" in h for h in history[: len(MEASURED)]] == MEASURED
+        for h in history:
+            if "kl_grad_ratio" in h:
+                assert all(math.isfinite(h[key]) and h[key] > 0 for key in RATIOS), h
+    # All-reduced: every rank logs and steers lambda by the same numbers.
+    keys = (*RATIOS, "lambda_kl")
+    first, *others = reports
+    for other in others:
+        for mine, theirs in zip(first["history"], other["history"]):
+            assert {k: mine.get(k) for k in keys} == {k: theirs.get(k) for k in keys}
+
+
+def test_gradient_ratio_is_measured_away_from_refreshes_and_never_nan_under_zero3(scenario):
+    _check_gradient_ratios(scenario[2][2])
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_gradient_ratio_is_measured_and_never_nan_on_two_ranks_under_zero2(kind, tmp_path):
+    out = tmp_path / kind
+    out.mkdir()
+    flags = ["--lora"] if kind == "lora" else []
+    _check_gradient_ratios(_launch(2, out, *flags, "--deepspeed-config", "zero2"))
 
 
 def test_lora_trains_only_the_adapter(scenario):

@@ -32,7 +32,12 @@ def gathered(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def build(
-    deepspeed_config: str, zero3_leaf_modules="auto", trust: dict | None = None, lora: bool = False, **options
+    deepspeed_config: str,
+    zero3_leaf_modules="auto",
+    trust: dict | None = None,
+    lora: bool = False,
+    measured: bool = True,
+    **options,
 ) -> tuple[Updater, object]:
     adapter = tiny_hunyuan15(seed=0)
     if lora:
@@ -48,8 +53,10 @@ def build(
         accumulation_steps=config.accumulation_steps(rollout.num_samples, int(rollout.trained_steps.sum())),
         zero3_leaf_modules=zero3_leaf_modules,
     )
-    trust_region = TrustRegionConfig(**{"strategy": "dual", "kl_grad_ratio_every": 0, **(trust or {})})
+    trust_region = TrustRegionConfig(**{"strategy": "dual", **(trust or {})})
     updater = Updater(engine, adapter, config, trust_region)
+    if not measured:  # the gradient ratio's autograd passes left out, to show they change nothing of the training
+        updater._strength_measurable = lambda: False
     return updater, rollout
 
 
@@ -163,9 +170,10 @@ def offload_scenario(out: Path) -> dict:
 
 LEAF_CASES = {  # each run with the default leaf blocks, and under ZeRO-3 also with its per-module hooks
     "dual": {},
-    # autograd.grad passes before the backward; at a learning rate that leaves the policy term unclipped
-    "kl_grad_ratio_each_update": {"trust": {"kl_grad_ratio_every": 1}, "learning_rate": 1e-4},
-    "unmeasured": {"learning_rate": 1e-4},  # the same without the measurement
+    # the gradient ratio's autograd passes on each micro-step's output before its backward, at a learning rate that
+    # leaves the policy term unclipped; anchor_interval 3 so that update 2 is measured
+    "kl_grad_ratio_each_update": {"trust": {"anchor_interval": 3}, "learning_rate": 1e-4},
+    "unmeasured": {"trust": {"anchor_interval": 3}, "learning_rate": 1e-4, "measured": False},
     "no_trust_region": {"trust": {"strategy": "none"}},  # no no-grad forward before the policy's
     "lora": {"lora": True},  # the first block's inputs need no grad: only the adapters train
     "checkpointed": {"gradient_checkpointing": True},  # as the shipped configs train

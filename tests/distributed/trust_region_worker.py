@@ -50,7 +50,7 @@ def train(trust: dict, updates: int) -> dict:
         accumulation_steps=accumulation_steps(samples, GROUP, int(SDE.trained_steps_mask().sum())),
     )
     start = Anchor.snapshot(engine.module)
-    updater = Updater(engine, adapter, config, TrustRegionConfig(**trust, kl_grad_ratio_every=1))
+    updater = Updater(engine, adapter, config, TrustRegionConfig(**trust))
     probe = generate(adapter, PROMPTS, 2, SDE, seed=999, batch_size=GROUP, decode=False, progress=False)
     history = []
     for k in range(updates):

@@ -41,6 +41,7 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--nan-update", type=int, default=4, help="1-based update whose loss is NaN on the last rank")
+    parser.add_argument("--deepspeed-config", default="zero3")
     args = parser.parse_args()
 
     distributed.init()
@@ -64,10 +65,13 @@ def main():
     samples_per_rank = per_rank * GROUP_SIZE
 
     update_config = UpdateConfig(learning_rate=1e-3, micro_batch_size=1, seed=3)
-    trust_config = TrustRegionConfig(strategy="dual", anchor_interval=2, kl_grad_ratio_every=1)
+    trust_config = TrustRegionConfig(strategy="dual", anchor_interval=2)
     steps = int(local_rollout.trained_steps.sum())
     engine = build_engine(
-        adapter.transformer, update_config, accumulation_steps=accumulation_steps(samples_per_rank, 1, steps)
+        adapter.transformer,
+        update_config,
+        deepspeed_config_name=args.deepspeed_config,
+        accumulation_steps=accumulation_steps(samples_per_rank, 1, steps),
     )
     frozen_before = gathered_state(engine.module, trainable=False)
     trainable_before = gathered_state(engine.module, trainable=True)
@@ -100,7 +104,7 @@ def main():
         "frozen_count": len(frozen_before),
         "trainable_changed": any(not torch.equal(trainable_before[k], trainable_after[k]) for k in trainable_before),
     }
-    Path(args.out, f"report_rank{rank}_world{world}.json").write_text(json.dumps(report))
+    Path(args.out, f"report_rank{rank}_world{world}.json").write_text(json.dumps(report, allow_nan=True))
 
 
 if __name__ == "__main__":

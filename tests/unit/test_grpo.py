@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from core import grpo
 from core.grpo import (
     AdaptiveKLController,
+    GradientRatioController,
     KLFeedback,
     clipped_surrogate,
     gaussian_mean_kl,
@@ -164,11 +164,33 @@ def test_controller_save_load_round_trip_continues_identically():
     assert [original.update(kl) for kl in measurements[30:]] == [restored.update(kl) for kl in measurements[30:]]
 
 
-def test_kl_grad_ratio_reach_scales_with_lambda_and_the_root_of_kl():
-    # 0.01 at KL 1e-4 under lambda 0.1: at KL 1e-3 the gradient is sqrt(10) larger; lambda 0.1..10 spans 100x.
-    low, high = grpo.kl_grad_ratio_reach(0.01, 1e-4, 0.1, target=1e-3, weights=(0.1, 10.0))
-    assert low == pytest.approx(0.01 * math.sqrt(10)) and high == pytest.approx(100 * low)
-    # Measured at the target with lambda at its minimum: the reach starts at the measurement itself.
-    assert grpo.kl_grad_ratio_reach(0.05, 1e-3, 0.1, target=1e-3, weights=(0.1, 10.0))[0] == pytest.approx(0.05)
-    with pytest.raises(ValueError, match="kl"):
-        grpo.kl_grad_ratio_reach(0.05, 0.0, 0.1, target=1e-3, weights=(0.1, 10.0))
+def test_ratio_controller_sets_lambda_so_the_last_measured_gain_meets_the_target():
+    ctl = GradientRatioController(initial=1.0, minimum=1e-3, maximum=1e3, target=0.1, history=10)
+    # Measured 0.5 at lambda 1: the gain is 0.5 per unit lambda, so lambda 0.2 gives the target exactly.
+    assert ctl.update(0.0, 0.5) == pytest.approx(0.2)
+    # The gain is averaged geometrically over the window: gains 0.5 and 0.125 -> 0.25 -> lambda 0.4.
+    assert ctl.update(0.0, 0.2 * 0.125) == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize("ratio", [None, 0.0, float("nan"), float("inf")])
+def test_ratio_controller_holds_lambda_without_a_usable_measurement(ratio):
+    ctl = GradientRatioController(initial=2.0, minimum=1e-3, maximum=1e3, target=0.1, history=3)
+    assert ctl.update(1e-3, ratio) == 2.0 and not ctl.measurements and ctl.steps == 1
+
+
+def test_ratio_controller_moves_both_ways_and_stays_within_its_range():
+    ctl = GradientRatioController(initial=1.0, minimum=0.5, maximum=4.0, target=0.1, history=1)
+    assert ctl.update(0.0, 0.05) == pytest.approx(2.0)  # too weak: up
+    assert ctl.update(0.0, 0.4) == pytest.approx(0.5)  # too strong: down
+    assert ctl.update(0.0, 1e-6) == 4.0  # hopelessly weak: at the maximum
+    assert ctl.update(0.0, 1e6) == 0.5  # hopelessly strong: at the minimum
+
+
+def test_ratio_controller_save_load_round_trip_continues_identically():
+    ratios = [0.05 + 0.1 * abs(math.sin(i)) for i in range(40)]
+    original = GradientRatioController(initial=1.0, minimum=1e-3, maximum=1e3, target=0.1, history=5)
+    for r in ratios[:20]:
+        original.update(0.0, r)
+    restored = GradientRatioController(initial=1.0, minimum=1e-3, maximum=1e3, target=0.1, history=5)
+    restored.load_state_dict(original.state_dict())
+    assert [original.update(0.0, r) for r in ratios[20:]] == [restored.update(0.0, r) for r in ratios[20:]]
