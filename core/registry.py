@@ -36,6 +36,8 @@ import math
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ from typing import Any
 import mlflow
 import numpy as np
 import pandas as pd
+import requests
 import torch
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
@@ -53,10 +56,11 @@ from mlflow.pyfunc import PythonModel
 from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 from pydantic import BaseModel, ConfigDict, Field
 
-from core.errors import UserError
+from core.errors import RetryableStop, UserError, first_line
 from core.export import LORA_WEIGHT_NAME, read_export_manifest
 from core.secrets import MASK, mask_uri
 from core.storage import _sha256_and_size, load_tensors
+from core.tracking import is_outage
 
 CHALLENGER = "challenger"
 CHAMPION = "champion"
@@ -91,6 +95,19 @@ class RegistryConfig(BaseModel):
 def export_key(run_id: str, step: int) -> str:
     """Names one export: the same run and checkpoint step always give the same key."""
     return hashlib.sha256(f"{run_id}:{step}".encode()).hexdigest()[:32]
+
+
+@contextmanager
+def outage_is_retryable(tracking_uri: str | None, doing: str) -> Iterator[None]:
+    """The tracking server unreachable while ``doing`` is a RetryableStop (exit 75): registration is keyed by its
+    export, so the restart that does it again registers one version."""
+    try:
+        yield
+    except (MlflowException, requests.RequestException, OSError) as error:
+        if not is_outage(error):
+            raise
+        where = mask_uri(tracking_uri or "")
+        raise RetryableStop(f"tracking server {where} unreachable while {doing}: {first_line(error)}") from None
 
 
 def register_export(

@@ -9,7 +9,14 @@ import os
 import sys
 from datetime import date
 
-from core.errors import StoreUnavailable, UserError
+from core.errors import (
+    RETRYABLE_EXIT_CODE,
+    RetryableStop,
+    StoreUnavailable,
+    UserError,
+    first_line,
+    out_of_space,
+)
 from core.secrets import mask_process_output, mask_uri
 
 
@@ -480,6 +487,19 @@ def main(argv: list[str] | None = None) -> int:
         # interpreter's own flush at exit does not fail a second time.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except RetryableStop as error:
+        print(f"sagegrpo: {mask_uri(str(error))} (retryable, restart with --resume auto)", file=sys.stderr)
+        return RetryableStop.exit_code
+    except Exception as error:
+        if not out_of_space(error):
+            raise
+        # Checkpoints commit whole or not at all and exports are moved into place whole: space freed, a resume
+        # continues from the last commit.
+        print(
+            f"sagegrpo: no space left on device: {mask_uri(first_line(error))} (retryable, restart with --resume auto)",
+            file=sys.stderr,
+        )
+        return RETRYABLE_EXIT_CODE
     except KeyboardInterrupt:
         print("sagegrpo: interrupted", file=sys.stderr)
         return 130

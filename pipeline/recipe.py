@@ -29,7 +29,7 @@ import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from core import distributed
-from core.errors import RETRYABLE_EXIT_CODE, UserError
+from core.errors import RETRYABLE_EXIT_CODE, RetryableStop, UserError, out_of_space
 from core.export import STAGING_FOLDER
 from core.files import atomic_write_text, remove_abandoned
 from core.lora import add_lora
@@ -243,9 +243,10 @@ class SageGRPORecipe:
     def train(self) -> RunSummary:
         try:
             return self._train()
-        except BaseException:
-            if distributed.is_main():  # closed as FAILED, not left RUNNING; the error itself reaches the CLI
-                self.tracker.finish("FAILED")
+        except BaseException as error:
+            if distributed.is_main():  # closed, not left RUNNING; the error itself reaches the CLI
+                # A retryable stop is continued by a resume in the same MLflow run, as a preempted one is.
+                self.tracker.finish("KILLED" if isinstance(error, RetryableStop) or out_of_space(error) else "FAILED")
             raise
 
     def _train(self) -> RunSummary:
@@ -478,26 +479,27 @@ class SageGRPORecipe:
             return export_dir
         client, run_id = self.tracker.client(), self.progress.mlflow_run_id
         metrics = {k: v for k, v in self.progress.last_eval.items() if k != "iteration"}
-        version = registry.register_export(
-            client,
-            settings.model_name,
-            export_dir,
-            run_id,
-            metrics,
-            registry.export_key(run_id, self.progress.iteration),
-            base_model=settings.base_model or self.config.model.pretrained or self.config.model.name,
-        )
-        logger.info("registered %s version %s as challenger", settings.model_name, version.version)
-        if settings.promote:
-            decision = registry.promote(
+        with registry.outage_is_retryable(self.tracker.tracking_uri, f"registering {settings.model_name}"):
+            version = registry.register_export(
                 client,
                 settings.model_name,
-                version=version.version,
-                primary_metric=settings.primary_metric,
-                min_improvement=settings.margin,
-                guarded=settings.guards,
+                export_dir,
+                run_id,
+                metrics,
+                registry.export_key(run_id, self.progress.iteration),
+                base_model=settings.base_model or self.config.model.pretrained or self.config.model.name,
             )
-            logger.info("%s", decision.summary())
+            logger.info("registered %s version %s as challenger", settings.model_name, version.version)
+            if settings.promote:
+                decision = registry.promote(
+                    client,
+                    settings.model_name,
+                    version=version.version,
+                    primary_metric=settings.primary_metric,
+                    min_improvement=settings.margin,
+                    guarded=settings.guards,
+                )
+                logger.info("%s", decision.summary())
         return export_dir
 
 
