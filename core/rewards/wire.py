@@ -36,6 +36,11 @@ class _Metadata(BaseModel):
 
     @model_validator(mode="after")
     def _one_value_per_video(self) -> _Metadata:
+        for text in [*self.prompts, *self.columns]:
+            try:
+                text.encode()
+            except UnicodeEncodeError:  # a lone surrogate from a JSON escape: no tokenizer or log line takes it
+                raise ValueError(f"{text[:40]!r} is not Unicode text") from None
         for name, values in self.columns.items():
             if name in POSITIONAL:
                 raise ValueError(f"column {name!r} would shadow the reward's own argument")
@@ -90,8 +95,8 @@ def _metadata(body: bytes) -> _Metadata:
         )
     except ValidationError as error:
         first = error.errors()[0]
-        where = ".".join(map(str, first["loc"]))
-        raise BadRequest(f"metadata {where}: {first['msg'].removeprefix('Value error, ')}") from None
+        where, message = ".".join(map(str, first["loc"])), first["msg"].removeprefix("Value error, ")
+        raise BadRequest(f"metadata {where}: {message}" if where else f"metadata: {message}") from None
 
 
 def _json_field(raw: dict, name: str, default):

@@ -181,6 +181,8 @@ HOSTILE_METADATA = {  # name: safetensors metadata (prompts, fps, columns) of a 
     "a 5,000-digit integer in a column": {"prompts": '["a"]', "fps": "4", "columns": '{"x": [' + "9" * 5000 + "]}"},
     "a 5,000-digit integer as prompts": {"prompts": "9" * 5000, "fps": "4"},
     "fps nested": {"prompts": '["a"]', "fps": "[[[4]]]"},
+    "a lone surrogate in a prompt": {"prompts": '["a \\ud800 b"]', "fps": "4"},
+    "a lone surrogate in a column name": {"prompts": '["a"]', "fps": "4", "columns": '{"\\udfff": [1]}'},
 }
 
 
