@@ -8,6 +8,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+
 from core.errors import UserError
 
 
@@ -28,15 +30,18 @@ def resolve(name: str, registry: dict[str, str], kind: str) -> Callable:
     return found
 
 
-def check_arguments(factory: Callable, kwargs: dict[str, Any], what: str) -> None:
-    """Raise ValueError (pydantic reports it under the key being validated) when ``factory`` cannot take ``kwargs``:
-    a typo in a config's kwargs is caught when the config is read, not after minutes of model loading."""
+def check_arguments(
+    factory: Callable, kwargs: dict[str, Any], what: str, *, supplied: dict[str, Any] | None = None
+) -> None:
+    """Raise ValueError (pydantic reports it under the key being validated) when ``factory`` cannot take ``kwargs``
+    (with ``supplied``, the arguments the caller adds itself): a typo in a config's kwargs, or a value that cannot be
+    of its parameter's annotated type, is caught when the config is read, not after minutes of model loading."""
     try:
         signature = inspect.signature(factory)
     except (TypeError, ValueError):  # nothing to check a C callable against
         return
     try:
-        signature.bind(**kwargs)
+        signature.bind(**(supplied or {}), **kwargs)
     except TypeError as error:
         names = [
             name
@@ -44,6 +49,33 @@ def check_arguments(factory: Callable, kwargs: dict[str, Any], what: str) -> Non
             if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
         ]
         raise ValueError(f"{error} ({what} takes {', '.join(names) or 'no arguments'})") from None
+    problem = _type_problem(factory, kwargs)
+    if problem:
+        raise ValueError(f"{problem} ({what})")
+
+
+def _type_problem(factory: Callable, kwargs: dict[str, Any]) -> str | None:
+    """Why a value of ``kwargs`` cannot be its parameter's annotated type, by pydantic's lax rules (1 is a float,
+    "0.5" is too; "abc" and [1] are not); None when each can, or cannot be checked. Only the user's values: what the
+    caller supplies (a dtype name it converts) is its own affair."""
+    try:
+        parameters = inspect.signature(factory, eval_str=True).parameters
+    except Exception:  # annotations that do not evaluate here (a name imported for type checking only)
+        return None
+    for name, value in kwargs.items():
+        parameter = parameters.get(name)
+        if parameter is None or parameter.annotation is parameter.empty:
+            continue
+        try:
+            adapter = TypeAdapter(parameter.annotation, config=ConfigDict(arbitrary_types_allowed=True))
+        except Exception:  # a type pydantic cannot check against (or one carrying its own config)
+            continue
+        try:
+            adapter.validate_python(value)
+        except ValidationError as error:
+            message = error.errors()[0]["msg"]
+            return f"{name}: {message}, got a {type(value).__name__}"
+    return None
 
 
 def check_resolvable(name: str, registry: dict[str, str], kind: str) -> str:

@@ -7,6 +7,7 @@ gigabytes when the config is saved or logged. Everything read here is refused pa
 
 from __future__ import annotations
 
+import codecs
 from pathlib import Path
 from typing import TypeVar
 
@@ -124,7 +125,7 @@ def read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise UserError(f"config file {path} does not exist")
     try:
-        data = safe_load(path.read_text(), str(path)) or {}
+        data = safe_load(_decoded(path), str(path)) or {}
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -132,6 +133,35 @@ def read_yaml(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise UserError(f"config file {path} must hold a mapping at the top level")
     return data
+
+
+# YAML's own encodings, told by their byte-order mark (Windows editors and PowerShell write UTF-16 with one); UTF-32's
+# marks first, since UTF-16 LE's is a prefix of UTF-32 LE's.
+_BYTE_ORDER_MARKS = (
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF8, "utf-8-sig"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)
+
+
+def _decoded(path: Path) -> str:
+    """The text of a config file: UTF-8, or UTF-16/32 with a byte-order mark; anything else is a one-line
+    UserError, as is a file that cannot be read."""
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise UserError(f"config file {path} cannot be read ({error.strerror})") from None
+    codec = next((codec for mark, codec in _BYTE_ORDER_MARKS if data.startswith(mark)), "utf-8")
+    encoding = codec.upper().removesuffix("-SIG")
+    try:
+        text = data.decode(codec)
+    except UnicodeDecodeError as error:
+        raise UserError(f"config file {path} is not {encoding} text (byte {error.start})") from None
+    if "\0" in text:  # valid UTF-8, but no YAML: wide text without its byte-order mark
+        raise UserError(f"config file {path} holds NUL bytes: UTF-16 or UTF-32 without a byte-order mark?")
+    return text
 
 
 def one_line(error: ValidationError) -> str:

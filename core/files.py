@@ -6,10 +6,29 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from core.errors import UserError
+
+
+def make_writable_folder(path: str | Path, key: str) -> Path:
+    """``path`` as a folder this process can write, created with its parents if absent. A path that is a file, lies
+    under one, or cannot be created or written is a UserError naming the config ``key``: a run checks its folders
+    before it writes anything, instead of failing with a traceback once the model has loaded."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):  # the permission bits do not say it (root, read-only mounts)
+            pass
+    except FileExistsError:
+        raise UserError(f"{key} {path} is a file, not a folder") from None
+    except OSError as error:
+        raise UserError(f"{key} {path}: cannot create or write to it ({error.strerror or error})") from None
+    return path
 
 
 @contextmanager

@@ -6,6 +6,7 @@ import argparse
 import logging
 import math
 import os
+import re
 import sys
 from datetime import date
 
@@ -468,13 +469,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# What a terminal or a log collector takes for a line break (str.splitlines' set): a YAML key or value may hold one.
+_LINE_BREAK = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+def _one_line(error: Exception) -> str:
+    """The message of ``error`` as one line, its line breaks escaped and credentials masked."""
+    return _LINE_BREAK.sub(lambda match: repr(match.group())[1:-1], mask_uri(str(error)))
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         code = args.handler(args)
         sys.stdout.flush()  # here, so that a reader gone away is seen by the handler below
     except UserError as error:
-        print(f"sagegrpo: error: {mask_uri(str(error))}", file=sys.stderr)
+        print(f"sagegrpo: error: {_one_line(error)}", file=sys.stderr)
         return UserError.exit_code
     except StoreUnavailable as error:
         print(

@@ -31,7 +31,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from core import distributed
 from core.errors import RETRYABLE_EXIT_CODE, RetryableStop, UserError, out_of_space
 from core.export import STAGING_FOLDER
-from core.files import atomic_write_text, remove_abandoned
+from core.files import atomic_write_text, make_writable_folder, remove_abandoned
 from core.lora import add_lora
 from core.models import build_adapter
 from core.progress import progress_bar
@@ -117,7 +117,10 @@ class SageGRPORecipe:
     def setup(self, resume: str | None = None, *, fresh_start: bool = False) -> None:
         config = self.config
         distributed.init(config.deepspeed.collective_timeout_minutes)
-        config.output_dir.mkdir(parents=True, exist_ok=True)
+        make_writable_folder(config.output_dir, "run.output_dir")
+        checkpoint_root = config.checkpoint.build(config.output_dir).uri
+        if not checkpoint_root.startswith("s3://"):
+            make_writable_folder(checkpoint_root, "checkpoint.uri")
         if distributed.is_main():
             (config.output_dir / "config.json").write_text(json.dumps(masked_config(config), indent=2))
             remove_abandoned(config.output_dir / "exports", STAGING_FOLDER)  # a full weight copy a kill left

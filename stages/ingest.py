@@ -217,7 +217,9 @@ def _jsonl_entries(text: str, column: str) -> Iterator[Entry]:
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        # Beyond malformed JSON: nesting past the recursion limit, an integer past Python's 4300-digit conversion
+        # limit (a ValueError). Either is one bad line, not the end of the run.
+        except (ValueError, RecursionError):
             yield number, None, {}
             continue
         if not isinstance(record, dict) or not isinstance(record.get(column), str):

@@ -294,6 +294,10 @@ def load_deepspeed_json(name_or_path: str) -> dict:
         config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{path}: not valid JSON ({error})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply") from None
+    except OSError as error:
+        raise ValueError(f"{path}: cannot read it ({error.strerror})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path}: a DeepSpeed config is a JSON object, not a {type(config).__name__}")
     for block in ("optimizer", "scheduler"):
@@ -302,18 +306,34 @@ def load_deepspeed_json(name_or_path: str) -> dict:
                 f"{path}: its {block!r} block would replace the run's (update.optimizer, "
                 "update.learning_rate, update.lr_schedule): remove it from the JSON"
             )
-    if (config.get("fp16") or {}).get("enabled") in (True, "auto"):
+
+    # The blocks read below and filled from the run config must be objects: a shorthand such as "bf16": true would
+    # otherwise fail as an AttributeError, or pass unchecked.
+    def require_object(section: dict, key: str, key_path: str) -> None:
+        if key in section and not isinstance(section[key], dict):
+            raise ValueError(f"{path}: {key_path} must be a JSON object, not {json.dumps(section[key])[:40]}")
+
+    for block in ("bf16", "fp16", "zero_optimization"):
+        require_object(config, block, block)
+    for block in ("bf16", "fp16"):
+        if config.get(block, {}).get("enabled", "auto") not in (True, False, "auto"):
+            raise ValueError(f'{path}: {block}.enabled must be true, false or "auto"')
+    if config.get("fp16", {}).get("enabled") in (True, "auto"):
         raise ValueError(f"{path}: fp16 is not supported (log-densities need the range): use bf16 or fp32")
     zero = config.get("zero_optimization", {})
-    if not isinstance(zero, dict) or zero.get("stage", 0) not in (0, 1, 2, 3):
-        raise ValueError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3")
+    stage = zero.get("stage", 0)
+    if type(stage) is not int or stage not in (0, 1, 2, 3):  # a bool is an int: true would pass as stage 1
+        raise ValueError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, not {json.dumps(stage)}")
     for offload in ("offload_optimizer", "offload_param"):
-        device = (zero.get(offload) or {}).get("device", "none")
+        require_object(zero, offload, f"zero_optimization.{offload}")
+        device = zero.get(offload, {}).get("device", "none")
         if device not in ("none", "cpu", "nvme"):
-            raise ValueError(f"{path}: zero_optimization.{offload}.device must be none, cpu or nvme, not {device!r}")
-        if device == "nvme" and not (zero.get(offload) or {}).get("nvme_path"):
+            raise ValueError(
+                f"{path}: zero_optimization.{offload}.device must be none, cpu or nvme, not {json.dumps(device)}"
+            )
+        if device == "nvme" and not zero[offload].get("nvme_path"):
             raise ValueError(f"{path}: zero_optimization.{offload} offloads to nvme but names no nvme_path")
-        if device == "nvme" and zero.get("stage") != 3:
+        if device == "nvme" and stage != 3:
             raise ValueError(f"{path}: zero_optimization.{offload} to nvme needs ZeRO stage 3")
     return config
 

@@ -4,6 +4,7 @@ torchrun workers, and a one-layer video model adapter for the update's loss path
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -62,6 +63,34 @@ def worker_environment(**extra: str) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",
         **extra,
     }
+
+
+def sagegrpo(*argv: str, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    """``sagegrpo ARGV...`` as a process from the repo root (the user rewards under tests/fixtures importable), its
+    output captured; ``env`` adds to the worker environment."""
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *argv],
+        cwd=REPO,
+        env=worker_environment(**{"PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests' / 'fixtures'}", **env}),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def refused_in_one_line(capsys, argv: list[str], key: str) -> str:
+    """Run the CLI in-process on ``argv``: exit 2, one line on stderr naming ``key`` (``key:``, ``key=`` or ``key ``)
+    and nothing else; that line."""
+    from pipeline import cli
+
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    assert code == 2, (argv, captured.out[-300:])
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sagegrpo: error:"), captured.err
+    assert re.search(rf"{re.escape(key)}[:= ]", lines[0]), (key, lines[0])
+    assert "Traceback" not in captured.err and captured.out == ""
+    return lines[0]
 
 
 def torchrun(nproc: int, *target: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -59,7 +59,7 @@ class ModelConfig(BaseModel):
         reserved = sorted(set(kwargs) & set(supplied))
         if reserved:
             raise ValueError(f"{reserved[0]!r} is set by the model section itself, not by its kwargs")
-        check_arguments(factory, {**supplied, **kwargs}, f"model {name!r}")
+        check_arguments(factory, kwargs, f"model {name!r}", supplied=supplied)
         return kwargs
 
 

@@ -2,14 +2,11 @@
 any model loads, as one line naming the key, exit 2, nothing written. The corpus runs through the CLI in-process
 (``sagegrpo config`` validates exactly as ``run`` does); a sample of it runs as ``sagegrpo run`` subprocesses."""
 
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from pipeline import cli
+from tests.helpers import refused_in_one_line, sagegrpo
 
 pytestmark = pytest.mark.unit
 
@@ -127,30 +124,20 @@ DEEPSPEED_FILES = {
 }
 
 
-def _refused(capsys, argv: list[str], key: str) -> None:
-    code = cli.main(argv)
-    captured = capsys.readouterr()
-    assert code == 2, (argv, captured.out[-300:])
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("sagegrpo: error:"), captured.err
-    assert re.search(rf"{re.escape(key)}[:= ]", lines[0]), (key, lines[0])
-    assert "Traceback" not in captured.err and captured.out == ""
-
-
 def test_the_corpus_is_large():
     assert len(CORPUS) + len(DEEPSPEED_FILES) >= 60
 
 
 @pytest.mark.parametrize("override,key", CORPUS, ids=[case[0] for case in CORPUS])
 def test_each_bad_override_is_one_line_naming_its_key(capsys, override, key):
-    _refused(capsys, ["config", DEMO, *override.split("|")], key)
+    refused_in_one_line(capsys, ["config", DEMO, *override.split("|")], key)
 
 
 @pytest.mark.parametrize("kind", sorted(DEEPSPEED_FILES))
 def test_each_bad_deepspeed_config_is_one_line(capsys, tmp_path, kind):
     text = DEEPSPEED_FILES[kind]
     path = str(tmp_path / "absent.json") if text is None else _json_file(tmp_path, f"{kind}.json", text)
-    _refused(capsys, ["config", DEMO, f"deepspeed.config={path}"], "deepspeed.config")
+    refused_in_one_line(capsys, ["config", DEMO, f"deepspeed.config={path}"], "deepspeed.config")
 
 
 @pytest.mark.parametrize(
@@ -158,13 +145,7 @@ def test_each_bad_deepspeed_config_is_one_line(capsys, tmp_path, kind):
 )
 def test_run_refuses_before_any_model_loads_and_writes_nothing(tmp_path, override):
     output = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "run", DEMO, f"run.output_dir={output}", override],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = sagegrpo("run", DEMO, f"run.output_dir={output}", override, timeout=300)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert not output.exists()

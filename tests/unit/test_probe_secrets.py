@@ -5,7 +5,6 @@ artifacts), one-line errors, logs and tracebacks; one real run greps everything 
 
 import json
 import logging
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +18,7 @@ from core.secrets import MASK, is_secret_key, mask_process_output, mask_uri
 from core.tracking import loggable_params, masked_config
 from pipeline import cli
 from pipeline.config import load_run_config
-from tests.helpers import free_port, worker_environment
+from tests.helpers import free_port, sagegrpo
 
 pytestmark = pytest.mark.unit
 
@@ -180,17 +179,6 @@ def test_logs_and_tracebacks_are_masked_once_the_process_masks_its_output(capsys
         _assert_hidden(secret, output=text)
 
 
-def _cli(*argv: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *argv],
-        cwd=REPO,
-        env=worker_environment(PYTHONPATH=f"{REPO}:{FIXTURES}", **env),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 @pytest.mark.parametrize(
     ("overrides", "secret"),
     [
@@ -205,7 +193,7 @@ def test_a_run_that_fails_reading_its_data_says_so_in_one_masked_line(tmp_path, 
     port = free_port()
     overrides = [override.format(port=port) for override in overrides]
     fake_keys = {"AWS_ACCESS_KEY_ID": "AKIAPROBE", "AWS_SECRET_ACCESS_KEY": "probe-secret-key"}
-    result = _cli("run", DEMO, f"run.output_dir={tmp_path / 'run'}", *overrides, **fake_keys)
+    result = sagegrpo("run", DEMO, f"run.output_dir={tmp_path / 'run'}", *overrides, **fake_keys)
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1].startswith("sagegrpo: error:"), result.stderr[-3000:]
     assert "Traceback" not in result.stderr
@@ -222,7 +210,7 @@ def test_a_run_seeded_with_secrets_everywhere_writes_and_prints_none(tmp_path):
     )
     overrides = [override for override, _ in held if not override.startswith("rewards=")]
     output = tmp_path / "run"
-    result = _cli(
+    result = sagegrpo(
         "-v",
         "run",
         DEMO,
