@@ -1,12 +1,15 @@
 # syntax=docker/dockerfile:1.7
 # sage-grpo training image: torch 2.13.0 (CUDA 12.8 wheels) on the matching CUDA 12.8 base, DeepSpeed's ops prebuilt.
 #
-#   docker build -t REGISTRY/sage-grpo:$(git rev-parse --short HEAD) .
+#   docker build --build-arg GIT_COMMIT=$(git rev-parse HEAD) --build-arg VERSION=$(git describe --tags --always) \
+#       -t REGISTRY/sage-grpo:$(git rev-parse --short HEAD) .
 #   docker run --gpus all -v /data/cache:/cache REGISTRY/sage-grpo:TAG plan configs/hunyuanvideo15_sage_lora.yaml \
 #       --gpus-per-node 8 --nodes 1
 #
-# The torch pin here must stay inside pyproject.toml's torch range (tests/unit/test_infra.py checks it), and the
-# wheel index's CUDA suffix must match the base images' CUDA version.
+# The torch pin here must stay inside pyproject.toml's torch range (tests/unit/test_docker_image.py checks it), and the
+# wheel index's CUDA suffix must match the base images' CUDA version. GIT_COMMIT and VERSION are required: .git is
+# not in the image, so they are the only record of which code it holds (the OCI labels, and the commit tag of every
+# MLflow run started in it).
 
 ARG CUDA_VERSION=12.8.1
 ARG UBUNTU=ubuntu24.04
@@ -46,38 +49,42 @@ COPY pyproject.toml README.md ./
 COPY constraints ./constraints
 # psycopg2 is for the MLflow server (infra/k8s/base/mlflow.yaml), which runs from this image on a Postgres store.
 # The constraints pin every dependency to the versions the test suite ran with (scripts/freeze_constraints.sh).
+# The gpu extra brings nvidia-ml-py, through which MLflow's system metrics read the GPUs.
 RUN mkdir -p core stages pipeline && touch core/__init__.py stages/__init__.py pipeline/__init__.py \
- && pip install -c constraints/production.txt ".[video]" "psycopg2-binary>=2.9,<3" && pip uninstall -y sage-grpo
-# Editable on purpose: the package finds deepspeed_configs/ beside itself (stages/update.py), so the code must run
-# from /app, where the runtime stage puts the same tree.
+ && pip install -c constraints/production.txt ".[video,gpu]" "psycopg2-binary>=2.9,<3" && pip uninstall -y sage-grpo
+# A regular install: deepspeed_configs/ is package data beside the packages (stages/update.py finds it there), and
+# the bytecode is compiled now, since the pods' root filesystem is read-only.
 COPY core ./core
 COPY stages ./stages
 COPY pipeline ./pipeline
-RUN pip install --no-deps -e .
+COPY deepspeed_configs ./deepspeed_configs
+RUN pip install --no-deps .
 
 # ---- runtime: the venv, configs and infra scripts on the CUDA runtime -------------------------------------------
 # No cuDNN or nvcc here: the torch wheels bring their own CUDA libraries, and the ops were compiled above.
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU}
+
+# Checked first, so a build without them fails at once (BuildKit builds this stage beside the long one above).
+ARG GIT_COMMIT
+ARG VERSION
+RUN test -n "${GIT_COMMIT}" -a -n "${VERSION}" \
+ || { echo "build with --build-arg GIT_COMMIT=\$(git rev-parse HEAD) --build-arg VERSION=..." >&2; exit 2; }
 
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 libaio1t64 ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 
-RUN groupadd --gid 1000 sage && useradd --uid 1000 --gid sage --create-home --shell /bin/bash sage \
+# A uid above the hosts' own users' range (the pods run as it too: infra/k8s).
+RUN groupadd --gid 10001 sage && useradd --uid 10001 --gid sage --create-home --shell /bin/bash sage \
  && mkdir -p /cache && chown sage:sage /cache
 
 COPY --from=build /opt/venv /opt/venv
 WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY core ./core
-COPY stages ./stages
-COPY pipeline ./pipeline
 COPY configs ./configs
-COPY deepspeed_configs ./deepspeed_configs
 COPY infra ./infra
 
-ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 HOME=/home/sage
 # Model weights, datasets and compiled kernels go to the mounted /cache volume, not the container layer: they are
 # tens of GB and should survive pod restarts.
 ENV HF_HOME=/cache/huggingface TORCH_EXTENSIONS_DIR=/cache/torch_extensions TRITON_CACHE_DIR=/cache/triton
@@ -89,6 +96,15 @@ ENV TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_NCCL_TRACE_BUFFER_SIZE=2000 NCCL_DEBUG=WA
 # Video-length activations vary in shape from step to step; expandable segments keep fragmentation down.
 ENV PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 VOLUME ["/cache"]
+
+# Provenance. MLflow adds MLFLOW_RUN_CONTEXT's tags to every run
+# (core/tracking.py resolves them): the commit the code came from. SAGEGRPO_IMAGE becomes the run's container.image;
+# the Kubernetes manifests replace it with the reference the pod was started from (registry, digest).
+LABEL org.opencontainers.image.title=sage-grpo \
+      org.opencontainers.image.revision=${GIT_COMMIT} \
+      org.opencontainers.image.version=${VERSION}
+ENV SAGEGRPO_IMAGE=sage-grpo:${VERSION} \
+    MLFLOW_RUN_CONTEXT="{\"mlflow.source.git.commit\": \"${GIT_COMMIT}\"}"
 
 USER sage
 ENTRYPOINT ["sagegrpo"]

@@ -1,4 +1,4 @@
-"""The container image: pins, prebuilt DeepSpeed ops, non-root, caches, what it copies."""
+"""The container image: pins, prebuilt DeepSpeed ops, non-root, caches, what it copies, its provenance."""
 
 import json
 import re
@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+
+from core.tracking import IMAGE_ENV
 
 pytestmark = pytest.mark.unit
 
@@ -33,6 +35,11 @@ def _arg(name: str) -> str:
     match = re.search(rf"^ARG {name}=\"?([^\"\n]+)\"?$", _dockerfile(), re.MULTILINE)
     assert match, f"Dockerfile has no ARG {name}=..."
     return match.group(1)
+
+
+def _final_stage() -> list[str]:
+    lines = _instructions()
+    return lines[max(i for i, line in enumerate(lines) if line.startswith("FROM ")) :]
 
 
 def _pyproject_requirement(name: str) -> Requirement:
@@ -85,3 +92,34 @@ def test_everything_the_image_copies_exists_and_is_not_dockerignored():
     for source in sources:
         assert (ROOT / source).exists(), source
         assert source not in ignored, source
+
+
+def test_image_records_its_commit_and_version_as_labels_and_for_mlflow():
+    stage = _final_stage()
+    assert {"ARG GIT_COMMIT", "ARG VERSION"} <= set(stage)
+    # Built without them, the image fails at once instead of carrying no provenance.
+    check = next(line for line in stage if line.startswith("RUN test -n"))
+    assert '"${GIT_COMMIT}"' in check and '"${VERSION}"' in check and stage.index(check) < 4
+    labels = " ".join(line for line in stage if line.startswith("LABEL "))
+    assert "org.opencontainers.image.revision=${GIT_COMMIT}" in labels
+    assert "org.opencontainers.image.version=${VERSION}" in labels
+    env = " ".join(line for line in stage if line.startswith("ENV "))
+    assert f"{IMAGE_ENV}=sage-grpo:${{VERSION}}" in env
+    # MLflow turns MLFLOW_RUN_CONTEXT's JSON into run tags: the commit, where the image has no .git to read it from.
+    context = re.search(r'MLFLOW_RUN_CONTEXT="((?:[^"\\]|\\.)*)"', env).group(1)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    assert json.loads(context.replace("\\", "").replace("${GIT_COMMIT}", commit)) == {
+        "mlflow.source.git.commit": commit
+    }
+
+
+def test_image_installs_the_package_with_its_deepspeed_configs_and_gpu_metrics():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(Requirement(r).name == "nvidia-ml-py" for r in extras["gpu"])
+    installs = [line for line in _instructions() if line.startswith("RUN ") and "pip install" in line]
+    assert any(re.search(r'"\.\[[\w,]*\bgpu\b[\w,]*\]"', line) for line in installs)
+    # A regular install (not editable): deepspeed_configs/ travels as package data, and no source tree is needed.
+    assert any(line.endswith("pip install --no-deps .") for line in installs)
+    assert not any(" -e " in line for line in installs)
+    assert "COPY deepspeed_configs ./deepspeed_configs" in _instructions()
+    assert not any(line.startswith(("COPY core", "COPY pipeline")) for line in _final_stage())
