@@ -2,14 +2,19 @@
 
 Recipe::
 
+    exam = EvalSet(digest, size=32, source="s3://bucket/eval/v3.jsonl")     # what the metrics were scored on
     version = register_export(client, "t2v-policy", export_dir, run_id, metrics, export_key(run_id, step),
-                              base_model="hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v")   # alias "challenger"
+                              base_model="hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v",
+                              eval_set=exam, step=step)                                # alias "challenger"
     decision = promote(client, "t2v-policy", primary_metric="eval/reward", min_improvement=0.01,
                        guarded={"eval/aesthetic": 0.05})                                      # maybe "champion"
     policy = load_registered_policy("models:/t2v-policy@champion")
     videos = policy.predict(["a red fox runs through snow"], params={"seed": 0})              # uint8 [B, F, H, W, 3]
 
-Aliases, never the deprecated stages. Each version is an MLflow pyfunc (:class:`VideoPolicyModel`) holding the export
+Aliases, never the deprecated stages. Each version is registered from an MLflow 3 logged model whose source is the
+run: the version carries its ``model_id``, and the logged model lists the eval metrics (re-logged with its id, as
+``mlflow.<flavor>.log_model`` does for the run's metrics at its step) with the evaluation set they were scored on.
+Each version is an MLflow pyfunc (:class:`VideoPolicyModel`) holding the export
 (LoRA adapter or full transformer) and the name of the base model it applies to; ``predict`` generates videos on
 that base model, built again as the export's ``export.json`` records it (HunyuanVideo 1.5, Wan, a tiny model or a
 dotted factory; exports without the record are HunyuanVideo 1.5).
@@ -26,6 +31,10 @@ Idempotence: a version is created with all its tags in one call, ``export_key`` 
 :func:`register_export` looks for that key before creating, so a rerun after a crash at any point finds the version
 instead of creating a second one, then sets what is missing. :func:`promote` sets the same alias and tag again when
 rerun.
+
+Fairness: the gate compares a challenger with the champion only when both were scored on the same evaluation set
+(its digest, tag ``eval_set.digest``) of at least ``min_eval_prompts`` prompts; otherwise the challenger is rejected
+and the decision says why. The decision tag names the set's digest and size.
 """
 
 from __future__ import annotations
@@ -36,9 +45,10 @@ import math
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +58,10 @@ import pandas as pd
 import requests
 import torch
 from mlflow import MlflowClient
+from mlflow.entities import LoggedModel, LoggedModelOutput, LoggedModelStatus, Metric
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
-from mlflow.models import ModelSignature
+from mlflow.models import Model, ModelSignature
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.pyfunc import PythonModel
 from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
@@ -69,6 +80,10 @@ ARTIFACTS_SHA256_TAG = "artifacts_sha256"
 BASE_MODEL_TAG = "base_model"
 DECISION_TAG = "promotion_decision"
 METRIC_TAG_PREFIX = "metric."
+EVAL_SET_DIGEST_TAG = "eval_set.digest"
+EVAL_SET_SIZE_TAG = "eval_set.size"
+EVAL_SET_SOURCE_TAG = "eval_set.source"
+DEFAULT_MIN_EVAL_PROMPTS = 8
 MODEL_MANIFEST = "sha256sums.json"
 TINY_BASE_MODEL = "tiny-hunyuan15"
 DEFAULT_PRIMARY_METRIC = "eval/reward"  # what stages/evaluate.py logs for the training rewards
@@ -86,6 +101,33 @@ class RegistryConfig(BaseModel):
     primary_metric: str = DEFAULT_PRIMARY_METRIC
     margin: float = Field(0.0, ge=0)
     guards: dict[str, float] = Field(default_factory=dict)  # metric -> largest allowed drop
+    # Fewer prompts than this and the gate refuses: a mean over a handful of videos is mostly seed noise.
+    min_eval_prompts: int = Field(DEFAULT_MIN_EVAL_PROMPTS, ge=1)
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """The prompts a version's metrics were scored on: ``digest`` identifies them (text, metadata, order), so two
+    versions with the same digest took the same exam."""
+
+    digest: str
+    size: int
+    source: str
+
+    @classmethod
+    def from_tags(cls, tags: dict[str, str]) -> EvalSet | None:
+        if EVAL_SET_DIGEST_TAG not in tags:
+            return None
+        size = tags.get(EVAL_SET_SIZE_TAG, "")
+        if not size.isdecimal():  # tags are anyone's to edit: a size that is not a count is no exam to trust
+            raise UserError(f"tag {EVAL_SET_SIZE_TAG}={size[:40]!r} is not a number of prompts")
+        return cls(tags[EVAL_SET_DIGEST_TAG], int(size), tags.get(EVAL_SET_SOURCE_TAG, ""))
+
+    def tags(self) -> dict[str, str]:
+        return {EVAL_SET_DIGEST_TAG: self.digest, EVAL_SET_SIZE_TAG: str(self.size), EVAL_SET_SOURCE_TAG: self.source}
+
+    def described(self) -> str:
+        return f"evaluation set sha256:{self.digest} ({self.size} prompts)"
 
 
 # Registration
@@ -119,24 +161,36 @@ def register_export(
     export_key: str,
     *,
     base_model: str,
+    eval_set: EvalSet | None = None,
+    step: int = 0,
 ) -> ModelVersion:
     """Register a verified export (see :mod:`core.export`) as a version of ``model_name`` tagged with its eval
-    metrics, and point the ``challenger`` alias at it. Rerunning with the same ``export_key`` creates nothing new."""
+    metrics and the ``eval_set`` they were scored on (the gate refuses a version without one), through a logged model
+    of the run linked to those metrics at ``step``; point the ``challenger`` alias at it. Rerunning with the same
+    ``export_key`` creates nothing new."""
     kind = read_export_manifest(export_dir)["kind"]  # refuses an incomplete or corrupted export
     # Tagged and saved with the version for anyone who can read the registry: a URL's user-info stays behind.
     base_model = mask_uri(base_model)
+    eval_set = eval_set and replace(eval_set, source=mask_uri(eval_set.source))
     _ensure_registered_model(client, model_name)
     version = _version_with_export_key(client, model_name, export_key)
     if version is None:
-        artifact_path, artifacts_sha256 = _log_policy(client, run_id, export_dir, kind, base_model, export_key)
+        model = _logged_model(client, run_id, export_key, step)
+        artifacts_sha256 = _log_policy(client, model, run_id, export_dir, kind, base_model)
+        if not model.metrics:  # a rerun after a crash past this point must not log them twice
+            _log_model_metrics(client, model.model_id, run_id, metrics, step, eval_set)
+        client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
         tags = {
             EXPORT_KEY_TAG: export_key,
             ARTIFACTS_SHA256_TAG: artifacts_sha256,
             BASE_MODEL_TAG: base_model,
             **_metric_tags(metrics),
+            **(eval_set.tags() if eval_set else {}),
         }
         # All tags in the creating call: a version never exists without its key, digest and metrics.
-        version = client.create_model_version(model_name, f"runs:/{run_id}/{artifact_path}", run_id=run_id, tags=tags)
+        version = client.create_model_version(
+            model_name, f"models:/{model.model_id}", run_id=run_id, tags=tags, model_id=model.model_id
+        )
     client.set_registered_model_alias(model_name, CHALLENGER, version.version)
     return client.get_model_version(model_name, version.version)
 
@@ -164,18 +218,58 @@ def _metric_tags(metrics: dict[str, float]) -> dict[str, str]:
     return {f"{METRIC_TAG_PREFIX}{name}": repr(float(value)) for name, value in metrics.items()}
 
 
-def _log_policy(
-    client: MlflowClient, run_id: str, export_dir: str | Path, kind: str, base_model: str, key: str
-) -> tuple[str, str]:
-    """Save the pyfunc locally, list its files' sha256, upload it under the run; its path and the list's digest.
+def _logged_model(client: MlflowClient, run_id: str, key: str, step: int) -> LoggedModel:
+    """The run's logged model for this export: the one a crashed earlier attempt created (found by its key, so its
+    artifacts are overwritten rather than orphaned), else a new one with the run's params, as ``log_model`` makes."""
+    run = client.get_run(run_id)
+    experiment_id = run.info.experiment_id
+    found = client.search_logged_models([experiment_id], filter_string=f"tags.{EXPORT_KEY_TAG} = {_quoted(key)}")
+    if found:
+        return found[0]
+    model = client.create_logged_model(
+        experiment_id,
+        name=f"policy-{key[:12]}",
+        source_run_id=run_id,
+        tags={EXPORT_KEY_TAG: key},
+        params=run.data.params,
+    )
+    client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=step)])
+    return model
 
-    The path depends on the export key only, so a rerun after a crash overwrites the same files instead of leaving
-    an orphan copy."""
-    artifact_path = f"policy-{key[:12]}"
+
+def _log_model_metrics(
+    client: MlflowClient,
+    model_id: str,
+    run_id: str,
+    metrics: dict[str, float],
+    step: int,
+    eval_set: EvalSet | None,
+) -> None:
+    """The eval metrics again, now with the model's id (what links them to it) and the evaluation set's name and
+    digest (MLflow's per-dataset metric view)."""
+    dataset = {"dataset_name": Path(eval_set.source).name, "dataset_digest": eval_set.digest} if eval_set else {}
+    now = int(time.time() * 1000)
+    client.log_batch(
+        run_id,
+        metrics=[
+            Metric(name, float(value), now, step, model_id=model_id, run_id=run_id, **dataset)
+            for name, value in metrics.items()
+        ],
+    )
+
+
+def _log_policy(
+    client: MlflowClient, model: LoggedModel, run_id: str, export_dir: str | Path, kind: str, base_model: str
+) -> str:
+    """Save the pyfunc locally (its MLmodel naming the logged model and the run), list its files' sha256, upload
+    it as the logged model's artifacts; the list's digest."""
     with tempfile.TemporaryDirectory() as scratch:
-        model_dir = Path(scratch) / artifact_path
+        model_dir = Path(scratch) / "model"
         mlflow.pyfunc.save_model(
             model_dir,
+            mlflow_model=Model(
+                artifact_path=model.artifact_location, run_id=run_id, model_uuid=model.model_id, model_id=model.model_id
+            ),
             python_model=VideoPolicyModel(),
             artifacts={"export": str(export_dir)},
             model_config={"base_model": base_model, "kind": kind},
@@ -185,8 +279,8 @@ def _log_policy(
             pip_requirements=serving_requirements(),
         )
         artifacts_sha256 = _write_model_manifest(model_dir)
-        client.log_artifacts(run_id, str(model_dir), artifact_path)
-    return artifact_path, artifacts_sha256
+        client.log_model_artifacts(model.model_id, str(model_dir))
+    return artifacts_sha256
 
 
 # The foundation floor holds everything the pyfunc imports (core never imports stages or pipeline).
@@ -391,6 +485,7 @@ class PromotionDecision:
     promoted: bool
     reasons: list[str] = field(default_factory=list)
     dry_run: bool = False
+    eval_set: EvalSet | None = None  # the candidate's
 
     def summary(self) -> str:
         verb = (
@@ -399,7 +494,12 @@ class PromotionDecision:
             else ("would not promote" if self.dry_run else "did not promote")
         )
         champion = f"champion v{self.champion}" if self.champion else "no champion"
-        return f"{verb} {self.model_name} v{self.version} ({champion}): " + "; ".join(self.reasons)
+        return f"{verb} {self.model_name} v{self.version} ({champion}): {self.explained()}"
+
+    def explained(self) -> str:
+        """The reasons, and the evaluation set they rest on."""
+        exam = f" [{self.eval_set.described()}]" if self.eval_set else ""
+        return "; ".join(self.reasons) + exam
 
 
 def promote(
@@ -410,23 +510,36 @@ def promote(
     primary_metric: str = DEFAULT_PRIMARY_METRIC,
     min_improvement: float = 0.0,
     guarded: dict[str, float] | None = None,
+    min_eval_prompts: int = DEFAULT_MIN_EVAL_PROMPTS,
     dry_run: bool = False,
 ) -> PromotionDecision:
     """Move ``champion`` to ``version`` (default: the challenger) when its ``primary_metric`` beats the champion's
     by more than ``min_improvement`` and no ``guarded`` metric drops by more than its tolerance (higher is better
-    for all metrics; a guard the champion has no value for is not checked). The decision is recorded as the
-    version's ``promotion_decision`` tag unless ``dry_run``; rerunning it records the same."""
+    for all metrics; a guard the champion has no value for is not checked). Both must have been scored on the same
+    evaluation set of at least ``min_eval_prompts`` prompts, or the candidate is rejected. The decision, with the
+    set's digest and size, is recorded as the version's ``promotion_decision`` tag unless ``dry_run``; rerunning it
+    records the same."""
     candidate = _candidate(client, model_name, version)
     champion = _aliased_version(client, model_name, CHAMPION)
+    exam = EvalSet.from_tags(candidate.tags)
     if champion is not None and champion.version == candidate.version:
         return PromotionDecision(
-            model_name, candidate.version, champion.version, True, ["already the champion"], dry_run
+            model_name, candidate.version, champion.version, True, ["already the champion"], dry_run, exam
         )
-    promoted, reasons = _judge(
-        _metrics(candidate), _metrics(champion) if champion else None, primary_metric, min_improvement, guarded or {}
+    problem = _exam_problem(exam, champion, min_eval_prompts)
+    promoted, reasons = (
+        (False, [problem])
+        if problem
+        else _judge(
+            _metrics(candidate),
+            _metrics(champion) if champion else None,
+            primary_metric,
+            min_improvement,
+            guarded or {},
+        )
     )
     decision = PromotionDecision(
-        model_name, candidate.version, champion.version if champion else None, promoted, reasons, dry_run
+        model_name, candidate.version, champion.version if champion else None, promoted, reasons, dry_run, exam
     )
     if not dry_run:
         _record(client, decision)
@@ -444,6 +557,23 @@ def _candidate(client: MlflowClient, model_name: str, version: str | int | None)
     if challenger is None:
         raise UserError(f"model {model_name!r} has no {CHALLENGER}: pass --version")
     return challenger
+
+
+def _exam_problem(exam: EvalSet | None, champion: ModelVersion | None, min_eval_prompts: int) -> str | None:
+    """Why the candidate's scores cannot be judged, if they cannot: no recorded set, too few prompts, or another
+    set than the champion's."""
+    if exam is None:
+        return "this version records no evaluation set (eval_set.* tags): its metrics cannot be compared"
+    if exam.size < min_eval_prompts:
+        return f"its evaluation set has {exam.size} prompts, fewer than the minimum {min_eval_prompts}"
+    theirs = EvalSet.from_tags(champion.tags) if champion else None
+    if champion is not None and (theirs is None or theirs.digest != exam.digest):
+        scored_on = theirs.described() if theirs else "no recorded evaluation set"
+        return (
+            f"champion v{champion.version} was scored on {scored_on}, this version on another: not comparable "
+            f"(score both on one fixed set, eval.source, or move the {CHAMPION} alias by hand)"
+        )
+    return None
 
 
 def _metrics(version: ModelVersion) -> dict[str, float]:
@@ -505,7 +635,7 @@ def _record(client: MlflowClient, decision: PromotionDecision) -> None:
     outcome = "promoted" if decision.promoted else "rejected"
     # Tag values are capped (5000 characters on most stores); the reasons are short.
     client.set_model_version_tag(
-        decision.model_name, decision.version, DECISION_TAG, f"{outcome}: {'; '.join(decision.reasons)}"[:5000]
+        decision.model_name, decision.version, DECISION_TAG, f"{outcome}: {decision.explained()}"[:5000]
     )
     if decision.promoted:
         client.set_registered_model_alias(decision.model_name, CHAMPION, decision.version)

@@ -315,6 +315,11 @@ def _add_promote(subparsers) -> None:
         metavar="METRIC=TOL",
         help="largest allowed drop of a metric; repeatable (default: registry.guards)",
     )
+    parser.add_argument(
+        "--min-eval-prompts",
+        type=int,
+        help="refuse a version scored on fewer prompts (default: registry.min_eval_prompts, 8)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the decision, change nothing")
     parser.add_argument(
         "--tracking-uri",
@@ -355,6 +360,7 @@ def _promote(args) -> int:
         primary_metric=args.primary_metric or settings.primary_metric,
         min_improvement=margin,
         guarded=parse_guards(args.guard) if args.guard else settings.guards,
+        min_eval_prompts=settings.min_eval_prompts if args.min_eval_prompts is None else args.min_eval_prompts,
         dry_run=args.dry_run,
     )
     print(decision.summary())

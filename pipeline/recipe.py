@@ -222,7 +222,11 @@ class SageGRPORecipe:
         self.prompt_set = ingest(self.config.data)
         logger.info("prompts: %s", self.prompt_set.report.summary())
         self.train_prompts = [p.text for p in self.prompt_set.train]
-        held_out = self.prompt_set.eval[: self.config.eval.num_prompts]
+        if self.config.eval.source:
+            fixed = self.config.data.model_copy(update={"source": self.config.eval.source, "eval_fraction": 0.0})
+            held_out = ingest(fixed).train
+        else:
+            held_out = self.prompt_set.eval[: self.config.eval.num_prompts]
         self.eval_prompts = [p.text for p in held_out]
         self.eval_metadata = [p.metadata for p in held_out]
 
@@ -491,6 +495,12 @@ class SageGRPORecipe:
                 metrics,
                 registry.export_key(run_id, self.progress.iteration),
                 base_model=settings.base_model or self.config.model.pretrained or self.config.model.name,
+                eval_set=registry.EvalSet(
+                    evaluation.eval_set_digest(self.eval_prompts, self.eval_metadata),
+                    len(self.eval_prompts),
+                    self.config.eval.source or f"{self.config.data.source} (held-out split)",
+                ),
+                step=self.progress.iteration,
             )
             logger.info("registered %s version %s as challenger", settings.model_name, version.version)
             if settings.promote:
@@ -501,6 +511,7 @@ class SageGRPORecipe:
                     primary_metric=settings.primary_metric,
                     min_improvement=settings.margin,
                     guarded=settings.guards,
+                    min_eval_prompts=settings.min_eval_prompts,
                 )
                 logger.info("%s", decision.summary())
         return export_dir

@@ -17,6 +17,8 @@ scoring and writing happen where ``write`` is true (rank 0).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,12 +35,17 @@ from stages.score import Scorer
 
 
 class EvalConfig(BaseModel):
-    """The ``eval`` section: every k iterations, the first ``num_prompts`` held-out prompts, fixed seeds."""
+    """The ``eval`` section: every k iterations, the first ``num_prompts`` held-out prompts (or all of a fixed set),
+    fixed seeds."""
 
     model_config = ConfigDict(extra="forbid")
 
     every: int = Field(0, ge=0)  # iterations between evaluations; 0 disables
     num_prompts: int = Field(4, ge=1)
+    # A fixed, versioned evaluation set (a path or s3:// URI, read as data.source is), evaluated whole instead of
+    # the held-out split: runs on different prompt files are then scored on the same exam, which the promotion gate
+    # requires. The held-out split changes with the prompt file.
+    source: str | None = None
     seed: int = Field(1234, ge=0, lt=2**63)
     metrics: list[RewardSpec] = Field(default_factory=list)  # extra metrics (e.g. clipscore) beside the rewards
     write_videos: int = Field(2, ge=0)
@@ -90,6 +97,15 @@ def evaluate(
         scores={**scored.dimensions, "reward": list(scored.total)},
         frames=key_frames(rollout.videos),
     )
+
+
+def eval_set_digest(prompts: list[str], metadata: list[dict]) -> str:
+    """Identifies an evaluation set: its prompts with their metadata, in order (each prompt's seed follows from
+    its position). 32 hex digits, what MLflow stores as a metric's dataset digest."""
+    rows = "".join(
+        json.dumps([text, meta], sort_keys=True, ensure_ascii=False) + "\n" for text, meta in zip(prompts, metadata)
+    )
+    return hashlib.sha256(rows.encode()).hexdigest()[:32]
 
 
 def key_frames(videos: torch.Tensor) -> np.ndarray:

@@ -12,6 +12,8 @@ import uuid
 from pathlib import Path
 
 import boto3
+import mlflow.artifacts
+import mlflow.models
 import numpy as np
 import pytest
 import torch
@@ -27,6 +29,7 @@ from core.registry import (
     DECISION_TAG,
     MODEL_MANIFEST,
     TINY_BASE_MODEL,
+    EvalSet,
     TamperedArtifactError,
     export_key,
     load_registered_policy,
@@ -41,6 +44,7 @@ pytestmark = pytest.mark.integration
 S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 PROMPT = "a red fox runs through snow"
 GENERATION = {"num_inference_steps": 2, "seed": 0}
+EXAM = EvalSet("6f1d0c3a9b8e7d6c5b4a39281706f5e4", 16, "s3://evals/t2v/v1.jsonl")
 
 
 def s3_artifacts_mlflow_server(workdir: Path, endpoint_url: str, bucket: str) -> MlflowServer:
@@ -116,11 +120,25 @@ def model_name() -> str:
     return f"t2v-policy-{uuid.uuid4().hex[:8]}"
 
 
-def register(client, model_name, trained, run_id, step: int, **metrics):
+def register(client, model_name, trained, run_id, step: int, eval_set: EvalSet = EXAM, **metrics):
     _, export_dir = trained
     return register_export(
-        client, model_name, export_dir, run_id, metrics, export_key(run_id, step), base_model=TINY_BASE_MODEL
+        client,
+        model_name,
+        export_dir,
+        run_id,
+        metrics,
+        export_key(run_id, step),
+        base_model=TINY_BASE_MODEL,
+        eval_set=eval_set,
+        step=step,
     )
+
+
+def model_id(version) -> str:
+    # MLflow 3.17's server keeps a version's logged model only as its source (ModelVersion.model_id stays None).
+    assert version.source.startswith("models:/m-"), version.source
+    return version.source.removeprefix("models:/")
 
 
 def aliases(client, model_name) -> dict[str, str]:
@@ -202,9 +220,14 @@ def test_artifacts_live_on_s3(client, model_name, trained, run_id, s3_artifacts)
 
 def test_tampered_artifacts_are_detected_at_load(client, model_name, trained, run_id, server, tmp_path):
     version = register(client, model_name, trained, run_id, step=12)
-    model_path = version.source.removeprefix(f"runs:/{run_id}/")
     uri = f"models:/{model_name}/{version.version}"
-    sums_file = Path(client.download_artifacts(run_id, f"{model_path}/{MODEL_MANIFEST}", str(tmp_path)))
+    sums_file = Path(
+        mlflow.artifacts.download_artifacts(
+            f"{client.get_logged_model(model_id(version)).artifact_location}/{MODEL_MANIFEST}",
+            dst_path=str(tmp_path),
+            tracking_uri=server.url,
+        )
+    )
     sums = json.loads(sums_file.read_text())
     [adapter_path] = [name for name in sums if name.endswith(LORA_WEIGHT_NAME)]
     forged = tmp_path / "forged"
@@ -212,14 +235,14 @@ def test_tampered_artifacts_are_detected_at_load(client, model_name, trained, ru
 
     # Someone with write access to the bucket replaces the adapter...
     (forged / LORA_WEIGHT_NAME).write_bytes((trained[1] / LORA_WEIGHT_NAME).read_bytes()[:-1] + b" ")
-    client.log_artifact(run_id, str(forged / LORA_WEIGHT_NAME), f"{model_path}/{Path(adapter_path).parent}")
+    client.log_model_artifact(model_id(version), str(forged / LORA_WEIGHT_NAME), str(Path(adapter_path).parent))
     with pytest.raises(TamperedArtifactError, match=f"files changed since registration: \\['{adapter_path}'\\]"):
         load_registered_policy(uri, tracking_uri=server.url)
 
     # ... and rewrites the sha256 list to match: the digest in the registry still tells.
     sums[adapter_path] = hashlib.sha256((forged / LORA_WEIGHT_NAME).read_bytes()).hexdigest()
     (forged / MODEL_MANIFEST).write_text(json.dumps(sums))
-    client.log_artifact(run_id, str(forged / MODEL_MANIFEST), model_path)
+    client.log_model_artifact(model_id(version), str(forged / MODEL_MANIFEST))
     with pytest.raises(TamperedArtifactError, match="not the one registered"):
         load_registered_policy(uri, tracking_uri=server.url)
 
@@ -270,6 +293,65 @@ def test_promotion_gate_moves_the_champion_only_past_the_margin_and_guards(clien
     rerun = promote(client, model_name, **gate)
     assert rerun.promoted and rerun.reasons == ["already the champion"]
     assert len(client.search_model_versions(f"name = '{model_name}'")) == 4
+
+
+def test_a_version_comes_from_a_logged_model_of_its_run_that_lists_the_eval_metrics(
+    client, model_name, trained, run_id, server, monkeypatch
+):
+    metrics = {"eval/reward": 0.5, "eval/aesthetic": 0.8}
+    version = register(client, model_name, trained, run_id, step=5, **metrics)
+
+    model = client.get_logged_model(model_id(version))
+    linked = [metric for metric in model.metrics if metric.step == 5]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.url)
+    info = mlflow.models.get_model_info(f"models:/{model_name}/{version.version}")
+
+    assert info.model_id == model.model_id and info.run_id == run_id and version.run_id == run_id
+    assert model.source_run_id == run_id and str(model.status) == "READY"
+    assert {metric.key: metric.value for metric in linked} == metrics
+    assert {(metric.dataset_name, metric.dataset_digest) for metric in linked} == {("v1.jsonl", EXAM.digest)}
+    assert model_id(version) in {output.model_id for output in client.get_run(run_id).outputs.model_outputs}
+    assert (version.tags["eval_set.digest"], version.tags["eval_set.size"]) == (EXAM.digest, "16")
+
+
+def test_the_gate_compares_only_versions_scored_on_the_same_evaluation_set(client, model_name, trained, run_id):
+    champion = register(client, model_name, trained, run_id, step=1, **{"eval/reward": 0.5})
+    assert promote(client, model_name).promoted
+    assert (
+        client.get_model_version(model_name, champion.version)
+        .tags[DECISION_TAG]
+        .endswith(f"[evaluation set sha256:{EXAM.digest} (16 prompts)]")
+    )
+
+    other_exam = EvalSet("0f" * 16, 16, "prompts-2026-12-02.txt (held-out split)")
+    easier = register(client, model_name, trained, run_id, step=2, eval_set=other_exam, **{"eval/reward": 0.9})
+    decision = promote(client, model_name)
+
+    assert not decision.promoted and "not comparable" in decision.reasons[0]
+    assert aliases(client, model_name)[CHAMPION] == champion.version
+    recorded = client.get_model_version(model_name, easier.version).tags[DECISION_TAG]
+    assert recorded.startswith("rejected:") and f"sha256:{other_exam.digest} (16 prompts)" in recorded
+
+
+def test_a_set_below_the_minimum_is_refused_in_one_line_and_nothing_is_promoted(
+    client, model_name, trained, run_id, server, capsys
+):
+    from pipeline.cli import build_parser
+
+    small = EvalSet("ab" * 16, 2, "prompts.txt (held-out split)")
+    version = register(client, model_name, trained, run_id, step=1, eval_set=small, **{"eval/reward": 0.9})
+    args = build_parser().parse_args(
+        ["promote", "--tracking-uri", server.url, "--model", model_name, "--min-eval-prompts", "3"]
+    )
+
+    assert args.handler(args) == 0
+    [line] = capsys.readouterr().out.splitlines()
+    assert line == (
+        f"did not promote {model_name} v{version.version} (no champion): its evaluation set has 2 prompts, fewer "
+        f"than the minimum 3 [evaluation set sha256:{small.digest} (2 prompts)]"
+    )
+    assert CHAMPION not in aliases(client, model_name)
+    assert promote(client, model_name, min_eval_prompts=2).promoted
 
 
 def test_a_nan_metric_never_becomes_the_first_champion(client, model_name, trained, run_id):

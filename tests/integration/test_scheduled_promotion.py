@@ -5,7 +5,9 @@ registers its policy as the challenger, and the promote step gates it with the c
 
 Day one has no champion, so its version becomes the champion. Day two's outcome is known in advance: the demo's
 brightness reward lies in [-1, 0], so no gain can exceed the config's margin of 1 and the challenger is rejected,
-with the config's margin in the recorded decision (the promote command line's default would be 0)."""
+with the config's margin in the recorded decision (the promote command line's default would be 0). Both days are
+scored on the config's fixed evaluation set (``eval.source``), not on their own prompt files' held-out splits, and
+the decision names that set."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MODEL = "t2v-scheduled"
 MARGIN = 1.0  # larger than any gain of a reward in [-1, 0]
 DAYS = ("2026-12-01", "2026-12-02")
+EXAM_SIZE = 3
 
 
 @pytest.fixture
@@ -36,14 +39,16 @@ def scheduled(tmp_path, mlflow_server):
     config["sde"]["steps"] = 4
     config["rollout"] = {"group_size": 2, "prompts_per_rank": 2}
     config["update"]["micro_batch_size"] = 2
-    config["eval"] = {"every": 2, "num_prompts": 2, "write_videos": 0}
+    prompts = (REPO / "configs" / "demo_prompts.txt").read_text().splitlines()
+    exam = tmp_path / "eval-v1.txt"
+    exam.write_text("\n".join(prompts[-EXAM_SIZE:]) + "\n")
+    config["eval"] = {"every": 2, "write_videos": 0, "source": str(exam)}
     config["checkpoint"] = {"every": 2, "keep_last": 2}
     config["trust_region"]["anchor_interval"] = 2
-    config["registry"] = {"margin": MARGIN}
+    config["registry"] = {"margin": MARGIN, "min_eval_prompts": EXAM_SIZE}
     config_path = tmp_path / "scheduled.yaml"
     config_path.write_text(yaml.safe_dump(config))
 
-    prompts = (REPO / "configs" / "demo_prompts.txt").read_text().splitlines()
     prompt_dir = tmp_path / "prompts"
     prompt_dir.mkdir()
     (prompt_dir / f"{DAYS[0]}.txt").write_text("\n".join(prompts[:12]) + "\n")  # day two's set is added later
@@ -108,8 +113,11 @@ def test_scheduled_job_trains_registers_and_promotes_only_a_better_challenger(sc
     assert second.run_id != first.run_id
     assert dict(client.get_registered_model(MODEL).aliases) == {CHALLENGER: second.version, CHAMPION: first.version}
     gain = _metric(second) - _metric(first)
+    digest = first.tags["eval_set.digest"]
+    assert (second.tags["eval_set.digest"], second.tags["eval_set.size"]) == (digest, str(EXAM_SIZE))
     assert second.tags[DECISION_TAG] == (
         f"rejected: eval/reward {_metric(second):.4g} vs {_metric(first):.4g}: gain {gain:+.4g} <= margin {MARGIN:g}"
+        f" [evaluation set sha256:{digest} ({EXAM_SIZE} prompts)]"
     )
 
     # Starting again the same day trains nothing and registers nothing.
