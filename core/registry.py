@@ -461,7 +461,12 @@ def _aliased_version(client: MlflowClient, model_name: str, alias: str) -> Model
     # Through the model's alias map: a missing alias is an ordinary answer here, not an error code to interpret.
     model = _registry_lookup(lambda: client.get_registered_model(model_name), f"model {model_name!r}")
     number = model.aliases.get(alias)
-    return None if number is None else client.get_model_version(model_name, number)
+    if number is None:
+        return None
+    # An alias can outlive its version (deleted through another client or the database): name it, one line.
+    return _registry_lookup(
+        lambda: client.get_model_version(model_name, number), f"version {number} of {model_name!r}, aliased {alias},"
+    )
 
 
 def _registry_lookup(lookup, what: str):
@@ -577,11 +582,16 @@ def _exam_problem(exam: EvalSet | None, champion: ModelVersion | None, min_eval_
 
 
 def _metrics(version: ModelVersion) -> dict[str, float]:
-    return {
-        key.removeprefix(METRIC_TAG_PREFIX): float(value)
-        for key, value in version.tags.items()
-        if key.startswith(METRIC_TAG_PREFIX)
-    }
+    metrics = {}
+    for key, value in version.tags.items():
+        if key.startswith(METRIC_TAG_PREFIX):
+            try:
+                metrics[key.removeprefix(METRIC_TAG_PREFIX)] = float(value)
+            except ValueError:  # tags are anyone's to edit; the gate must not guess what a non-number means
+                raise UserError(
+                    f"{version.name!r} version {version.version}: tag {key}={value[:40]!r} is not a number"
+                ) from None
+    return metrics
 
 
 def _judge(

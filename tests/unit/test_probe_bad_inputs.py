@@ -207,3 +207,42 @@ def test_a_prompt_line_the_json_reader_cannot_take_is_skipped_and_counted(tmp_pa
     prompts = ingest(DataConfig(source=str(path), eval_fraction=0.0))
     assert [(prompt.text, prompt.line) for prompt in prompts.train] == [("a cat", 1), ("a dog", 3)]
     assert prompts.report.skipped["undecodable"] == [2]
+
+
+# --- promote against a registry edited by hand -------------------------------------------------------------------
+
+EXAM = {"eval_set.digest": "d" * 64, "eval_set.size": "20", "eval_set.source": "prompts.jsonl"}
+
+
+def _registry(capsys, tmp_path: Path, rewards: list[str]) -> str:
+    """A registry holding model ``m`` with one version per reward tag (v1 champion, the last challenger); what MLflow
+    printed creating it is not the CLI's."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'registry.db'}"
+    client = MlflowClient(uri)
+    client.create_registered_model("m")
+    for reward in rewards:
+        client.create_model_version("m", str(tmp_path), tags={**EXAM, "metric.eval/reward": reward})
+    client.set_registered_model_alias("m", "champion", "1")
+    client.set_registered_model_alias("m", "challenger", str(len(rewards)))
+    capsys.readouterr()
+    return uri
+
+
+@pytest.mark.parametrize(("rewards", "version"), [(["0.5", "abc"], "2"), (["high", "0.7"], "1"), (["0.5", ""], "2")])
+def test_a_metric_tag_that_is_not_a_number_is_one_line_naming_it(capsys, tmp_path, rewards, version):
+    uri = _registry(capsys, tmp_path, rewards)
+    line = refused_in_one_line(capsys, ["promote", "--model", "m", "--tracking-uri", uri], "metric.eval/reward")
+    assert f"version {version}:" in line, line
+
+
+@pytest.mark.parametrize("alias", ["champion", "challenger"])
+def test_an_alias_whose_version_is_gone_is_one_line_naming_it(capsys, tmp_path, alias):
+    import sqlite3
+
+    uri = _registry(capsys, tmp_path, ["0.5", "0.7"])
+    with sqlite3.connect(tmp_path / "registry.db") as database:  # as another client or a hand edit leaves it
+        database.execute("update registered_model_aliases set version = 9 where alias = ?", (alias,))
+    line = refused_in_one_line(capsys, ["promote", "--model", "m", "--tracking-uri", uri, "--dry-run"], "version 9")
+    assert alias in line, line
