@@ -64,6 +64,12 @@ FAIL_FAST_HTTP = {
 }
 
 
+def fail_fast_http() -> None:
+    """MLflow's HTTP client set to fail in seconds (see FAIL_FAST_HTTP), where the operator has not set it."""
+    for name, value in FAIL_FAST_HTTP.items():
+        os.environ.setdefault(name, value)
+
+
 class TrackingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -90,9 +96,6 @@ class TrackingConfig(BaseModel):
     def experiment_name(self) -> str:
         return self.experiment or MLFLOW_EXPERIMENT_NAME.get() or DEFAULT_EXPERIMENT
 
-
-# --- Params: the resolved config, flattened and masked ---------------------------------------------------------
-
     @field_validator("tracking_uri")
     @classmethod
     def _store_mlflow_opens(cls, uri: str | None) -> str | None:
@@ -104,6 +107,9 @@ class TrackingConfig(BaseModel):
                 f"{mask_uri(uri)!r} is not a tracking store MLflow opens (http(s), sqlite, file, ...)"
             ) from None
         return uri
+
+
+# --- Params: the resolved config, flattened and masked ---------------------------------------------------------
 
 
 def loggable_params(config: BaseModel | Mapping[str, Any]) -> dict[str, str]:
@@ -233,8 +239,7 @@ class Tracker:
         self._tags: dict[str, str] = {}
         self._system_metrics = None
         if self.enabled:
-            for name, value in FAIL_FAST_HTTP.items():
-                os.environ.setdefault(name, value)
+            fail_fast_http()
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._client = MlflowClient(self.tracking_uri)
 

@@ -331,8 +331,8 @@ def _add_promote(subparsers) -> None:
 def _promote(args) -> int:
     from mlflow import MlflowClient
 
-    from core.registry import promote
-    from core.tracking import TrackingConfig
+    from core.registry import outage_is_retryable, promote
+    from core.tracking import TrackingConfig, fail_fast_http
     from pipeline.config import RegistryConfig, load_run_config
 
     if args.overrides and not args.config:
@@ -353,16 +353,18 @@ def _promote(args) -> int:
         tracking_uri = TrackingConfig().server_uri()
         if not tracking_uri:
             raise UserError("promote needs --tracking-uri, MLFLOW_TRACKING_URI or a --config naming the registry")
-    decision = promote(
-        MlflowClient(tracking_uri=tracking_uri),
-        model,
-        version=args.version,
-        primary_metric=args.primary_metric or settings.primary_metric,
-        min_improvement=margin,
-        guarded=parse_guards(args.guard) if args.guard else settings.guards,
-        min_eval_prompts=settings.min_eval_prompts if args.min_eval_prompts is None else args.min_eval_prompts,
-        dry_run=args.dry_run,
-    )
+    fail_fast_http()  # MLflow's own retries would hold a dead server's answer for minutes
+    with outage_is_retryable(tracking_uri, "promoting"):
+        decision = promote(
+            MlflowClient(tracking_uri=tracking_uri),
+            model,
+            version=args.version,
+            primary_metric=args.primary_metric or settings.primary_metric,
+            min_improvement=margin,
+            guarded=parse_guards(args.guard) if args.guard else settings.guards,
+            min_eval_prompts=settings.min_eval_prompts if args.min_eval_prompts is None else args.min_eval_prompts,
+            dry_run=args.dry_run,
+        )
     print(decision.summary())
     return 0
 

@@ -5,12 +5,16 @@ line the JSON reader cannot take (nested past its limit, an integer past Python'
 counted like any other bad line."""
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
 
+from core.errors import RetryableStop
+from core.tracking import FAIL_FAST_HTTP
 from stages.ingest import DataConfig, ingest
-from tests.helpers import refused_in_one_line, sagegrpo
+from tests.helpers import free_port, refused_in_one_line, sagegrpo
 
 pytestmark = pytest.mark.unit
 
@@ -246,3 +250,17 @@ def test_an_alias_whose_version_is_gone_is_one_line_naming_it(capsys, tmp_path, 
         database.execute("update registered_model_aliases set version = 9 where alias = ?", (alias,))
     line = refused_in_one_line(capsys, ["promote", "--model", "m", "--tracking-uri", uri, "--dry-run"], "version 9")
     assert alias in line, line
+
+
+def test_promote_against_a_dead_server_is_one_retryable_line_in_seconds(capsys, monkeypatch):
+    from pipeline import cli
+
+    # An environment of this test's own: none of the operator's settings (they would win), none left behind.
+    monkeypatch.setattr(os, "environ", {key: value for key, value in os.environ.items() if key not in FAIL_FAST_HTTP})
+    uri = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    code = cli.main(["promote", "--model", "m", "--tracking-uri", uri, "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == RetryableStop.exit_code and len(err.strip().splitlines()) == 1, err
+    assert f"tracking server {uri} unreachable while promoting" in err
+    assert time.monotonic() - started < 60  # MLflow's own retries took 250 s
