@@ -17,7 +17,9 @@ import logging
 import os
 import re
 import sys
+import threading
 import traceback
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -107,8 +109,9 @@ def _remember_text(text: str) -> None:
 
 
 def mask_process_output() -> None:
-    """Mask every log record (from any logger, its traceback included) and the traceback of an uncaught exception
-    from now on: they quote library messages, URLs and arguments this code never sees."""
+    """Mask every log record (from any logger, its traceback included), Python warning, and the traceback of an
+    exception no code caught (in any thread) from now on: they quote library messages, URLs and arguments this code
+    never sees."""
     if getattr(logging.getLogRecordFactory(), "masks_secrets", False):
         return
     make_record = logging.getLogRecordFactory()
@@ -126,10 +129,20 @@ def mask_process_output() -> None:
     masked_record.masks_secrets = True
     logging.setLogRecordFactory(masked_record)
     sys.excepthook = _masked_excepthook
+    threading.excepthook = _masked_thread_excepthook
+    format_warning = warnings.formatwarning
+    warnings.formatwarning = lambda *args, **kwargs: mask_uri(format_warning(*args, **kwargs))
 
 
 def _masked_excepthook(kind, error, trace) -> None:
     sys.stderr.write(mask_uri("".join(traceback.format_exception(kind, error, trace))))
+
+
+def _masked_thread_excepthook(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:  # as threading's own hook: a thread's sys.exit() is no error
+        return
+    sys.stderr.write(f"Exception in thread {args.thread.name if args.thread else threading.get_ident()}:\n")
+    _masked_excepthook(args.exc_type, args.exc_value, args.exc_traceback)
 
 
 def read_secret(env: str | None = None, file: str | Path | None = None, *, what: str = "secret") -> str | None:

@@ -6,6 +6,8 @@ artifacts), one-line errors, logs and tracebacks; one real run greps everything 
 import json
 import logging
 import sys
+import threading
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -152,9 +154,11 @@ def test_a_refused_config_is_one_masked_line(capsys, overrides, secret):
     _assert_hidden(secret, stderr=printed.err)
 
 
-def test_logs_and_tracebacks_are_masked_once_the_process_masks_its_output(capsys, monkeypatch):
+def test_logs_warnings_and_tracebacks_are_masked_once_the_process_masks_its_output(capsys, monkeypatch):
     monkeypatch.setattr(logging, "_logRecordFactory", logging.getLogRecordFactory())
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
     secrets.remember({"model": {"kwargs": {"hf_token": "hf_Rememb3red"}}})
     mask_process_output()
     mask_process_output()  # idempotent: the factory is wrapped once
@@ -173,9 +177,18 @@ def test_logs_and_tracebacks_are_masked_once_the_process_masks_its_output(capsys
             sys.excepthook(*sys.exc_info())
     finally:
         logger.removeHandler(handler)
-    text = "\n".join(records) + capsys.readouterr().err
-    assert "ConnectionError" in text and "Traceback" in text
-    for secret in ("Log5ecret", "hf_Rememb3red", "Trace5ecret"):
+
+    def fails():
+        raise ValueError("postgresql://u:Thread5ecret@db/x")
+
+    thread = threading.Thread(target=fails, name="scorer")
+    thread.start()
+    thread.join()
+    # What warnings.showwarning prints (pytest records warnings instead of printing them)
+    warned = warnings.formatwarning("retrying https://u:Warn5ecret@minio:9000", UserWarning, "client.py", 1)
+    text = "\n".join(records) + capsys.readouterr().err + warned
+    assert "ConnectionError" in text and "Traceback" in text and "in thread scorer" in text and "UserWarning" in text
+    for secret in ("Log5ecret", "hf_Rememb3red", "Trace5ecret", "Thread5ecret", "Warn5ecret"):
         _assert_hidden(secret, output=text)
 
 
