@@ -187,9 +187,11 @@ def register_export(
             **_metric_tags(metrics),
             **(eval_set.tags() if eval_set else {}),
         }
-        # All tags in the creating call: a version never exists without its key, digest and metrics.
+        # All tags in the creating call: a version never exists without its key, digest and metrics. The source is
+        # the logged model's storage, not models:/<id>: a local (sqlite) registry resolves models:/ through the
+        # process's global tracking URI, not this client's, and fails to find the model.
         version = client.create_model_version(
-            model_name, f"models:/{model.model_id}", run_id=run_id, tags=tags, model_id=model.model_id
+            model_name, model.artifact_location, run_id=run_id, tags=tags, model_id=model.model_id
         )
     client.set_registered_model_alias(model_name, CHALLENGER, version.version)
     return client.get_model_version(model_name, version.version)

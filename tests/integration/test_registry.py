@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -136,9 +137,10 @@ def register(client, model_name, trained, run_id, step: int, eval_set: EvalSet =
 
 
 def model_id(version) -> str:
-    # MLflow 3.17's server keeps a version's logged model only as its source (ModelVersion.model_id stays None).
-    assert version.source.startswith("models:/m-"), version.source
-    return version.source.removeprefix("models:/")
+    # MLflow 3.17's server leaves ModelVersion.model_id empty; the version's source is its logged model's storage.
+    match = re.search(r"/models/(m-[0-9a-f]+)/artifacts$", version.source)
+    assert match, version.source
+    return match.group(1)
 
 
 def aliases(client, model_name) -> dict[str, str]:
