@@ -47,7 +47,7 @@ def test_unknown_flags_and_overrides_on_commands_without_them_are_refused():
     with pytest.raises(UserError, match="unrecognized arguments: --nope"):
         cli.parse_args(["run", DEMO, "--nope"])
     with pytest.raises(UserError, match="unrecognized arguments: seed=3"):
-        cli.parse_args(["promote", "--model", "m", "seed=3"])
+        cli.parse_args(["inspect-sde", "seed=3"])  # promote takes overrides: they apply to its --config
 
 
 def test_config_prints_the_validated_config_with_defaults_and_masked_secrets(capsys):
