@@ -19,6 +19,7 @@ from core.errors import (
     out_of_space,
 )
 from core.secrets import mask_process_output, mask_uri
+from pipeline.signals import retryable_signals
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,14 +70,16 @@ def _add_run(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from pipeline.commands import run_command
-
     overrides = list(args.overrides)
     if args.max_iterations is not None:
         overrides.append(f"run.max_iterations={args.max_iterations}")
-    return run_command(
-        args.config, overrides, resume=args.resume, fresh_start=args.fresh_start, verbosity=args.verbosity
-    )
+    # From before the slow imports: a stop signal anywhere outside the training loop (which handles its own) exits 75.
+    with retryable_signals():
+        from pipeline.commands import run_command
+
+        return run_command(
+            args.config, overrides, resume=args.resume, fresh_start=args.fresh_start, verbosity=args.verbosity
+        )
 
 
 def _add_eval(subparsers) -> None:
@@ -127,9 +130,10 @@ def _add_export(subparsers) -> None:
 
 
 def _export(args) -> int:
-    from pipeline.commands import export_command
+    with retryable_signals():
+        from pipeline.commands import export_command
 
-    return export_command(args.config, list(args.overrides), args.checkpoint, args.out, verbosity=args.verbosity)
+        return export_command(args.config, list(args.overrides), args.checkpoint, args.out, verbosity=args.verbosity)
 
 
 def _add_config(subparsers) -> None:

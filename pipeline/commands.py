@@ -65,12 +65,11 @@ def run_command(
     with contextlib.redirect_stdout(sys.stderr):
         config = load_run_config(config_path, overrides)
         setup_logging(verbosity)
-        from pipeline.recipe import SageGRPORecipe, retryable_signals
+        from pipeline.recipe import SageGRPORecipe
 
-        with retryable_signals():
-            recipe = SageGRPORecipe(config)
-            recipe.setup(resume=resume, fresh_start=fresh_start)
-            summary = recipe.train()
+        recipe = SageGRPORecipe(config)
+        recipe.setup(resume=resume, fresh_start=fresh_start)
+        summary = recipe.train()
     if distributed.is_main():
         print(_summary_text(config, summary), flush=True)
     return summary.exit_code
@@ -136,9 +135,7 @@ def export_command(config_path: str, overrides: list[str], checkpoint: str, out:
         from core.export import check_replaceable
 
         check_replaceable(out)
-    from pipeline.recipe import retryable_signals
-
-    with contextlib.redirect_stdout(sys.stderr), retryable_signals():
+    with contextlib.redirect_stdout(sys.stderr):
         recipe = _recipe_with_policy(config_path, overrides, checkpoint, verbosity)
         out_dir = Path(out) if out else recipe.config.output_dir / "exports" / recipe.checkpoint_name
         recipe.export(out_dir)

@@ -123,6 +123,16 @@ def test_a_single_process_start_removes_only_the_rendezvous_folders_of_killed_pr
 
 # Each phase blocks (printing "ready") where a slow step of that phase would be; the signal arrives there.
 PHASES = {
+    "run imports": (  # torch, DeepSpeed and the stages load for seconds before the run's config is even read
+        "import builtins\n"
+        "real_import = builtins.__import__\n"
+        "def slow_import(name, *args, **kwargs):\n"
+        "    if name == 'pipeline.commands':\n"
+        "        block(None)\n"
+        "    return real_import(name, *args, **kwargs)\n"
+        "builtins.__import__ = slow_import\n",
+        ["run", "configs/demo.yaml"],
+    ),
     "run start-up": (
         "from pipeline.recipe import SageGRPORecipe\nSageGRPORecipe.setup = block\n",
         ["run", "configs/demo.yaml"],
