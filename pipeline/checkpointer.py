@@ -211,7 +211,9 @@ class Checkpointer:
             # weights_only=True, after every file's sha256 was verified against the manifest. Ours are checked
             # against their schema before anything is loaded, so a wrong state never leaves the run half-restored.
             saved: list[dict[str, Any]] = []
-            distributed.gather_or_raise(lambda: saved.extend(self._checked_states(local, step, manifest, resharded)))
+            distributed.gather_or_raise(
+                lambda: saved.extend(self._checked_states(local, step, manifest, resharded, same_run))
+            )
             load_engine_checkpoint(
                 self.engine,
                 local,
@@ -255,14 +257,20 @@ class Checkpointer:
             raise CheckpointError(f"its manifest lists no {ENGINE_TAG}/ files")
         return manifest
 
-    def _checked_states(self, local: Path, step: int, manifest, resharded: bool) -> list[dict[str, Any]]:
-        """This rank's saved states (every old rank's when ``resharded``), each checked against its live object."""
+    def _checked_states(
+        self, local: Path, step: int, manifest, resharded: bool, same_run: bool
+    ) -> list[dict[str, Any]]:
+        """This rank's saved states (every old rank's when ``resharded``), each checked against its live object. A
+        loader of another run (eval, sample, export: the policy alone) checks only the states it loads; the run's
+        others (progress, sampler, RNG) are there and not its to judge."""
         ranks = range(manifest.world_size) if resharded else [distributed.rank()]
         saved = [load_torch(self._rank_file(local, rank)) for rank in ranks]
         live = {name: state.state_dict() for name, state in self.states.items()}
         for rank, states in zip(ranks, saved):
             # Shards of another world size have other shapes; load_resharded_state_dict checks them as it maps them.
             where = self._rank_file(Path(), rank).name
+            if not same_run and isinstance(states, Mapping):
+                states = {name: value for name, value in states.items() if name in live}
             problem = schema_problem(states, live, where, shapes=not resharded)
             for name, state in self.states.items():
                 if problem is None and states[name] is None:  # only parts inside a state are optional

@@ -1,15 +1,17 @@
 """``sagegrpo preflight CONFIG``: what to run on the target node before spending GPU-hours.
 
 It builds the real run (model, rewards, DeepSpeed) through the recipe, in a scratch folder with tracking,
-checkpoints and publishing off, runs three short iterations and judges what a first GPU run gets wrong:
+checkpoints and publishing off, runs three short iterations (up to six, until a ratio-steered lambda has acted on a
+measurement) and judges what a first GPU run gets wrong:
 
 - the schedule: every step's noise std is finite and >= 0 for the configured variant, steps, shift and eta;
 - devices: the trainable weights and the rollout's tensors sit on the device the run expects;
 - rewards: every reward returns one score per video (none failed) and the total is finite;
 - on-policy: the first update recomputes the rollout's log-probs exactly (|log ratio| within 1e-5, so nothing clipped);
 - the trust region acts: the last measured ``update/kl_grad_ratio`` (the update-level |lambda grad KL| /
-  |grad policy|, at the run's own lambda: the first update starts at its KL references and is never measured, so
-  under the ``calibrated`` preset the third update runs at the lambda its controller set from the second) lies in
+  |grad policy|, at the run's own lambda: the first update starts at its KL references and is never measured, nor
+  is one after an anchor refresh, so the trial goes on until a second update is measured at the lambda the
+  ``calibrated`` preset's controller set from the first) lies in
   [0.5, 2] x ``kl_ratio_target``, or, for a KL-steered lambda (``paper``), in the useful band 0.01-0.3 (the paper's
   lambda gives ~1e-6: inert). Not applicable without a KL term;
 - memory: peak GPU memory against ``sagegrpo plan``'s estimate for this config (on a GPU, for HunyuanVideo 1.5);
@@ -38,6 +40,7 @@ ON_POLICY_TOLERANCE = 1e-5
 KL_GRAD_RATIO_BAND = (0.01, 0.3)
 TARGET_FACTOR = 2.0
 TRIAL_ITERATIONS = 3
+MAX_TRIAL_ITERATIONS = 6
 
 
 @dataclass
@@ -63,7 +66,7 @@ def preflight(config_path: str, overrides: list[str]) -> list[Check]:
 def _trial_overrides(scratch: Path) -> list[str]:
     return [
         f"run.output_dir={scratch}",
-        f"run.max_iterations={TRIAL_ITERATIONS}",
+        f"run.max_iterations={MAX_TRIAL_ITERATIONS}",
         "tracking.enabled=false",
         f"checkpoint.uri={scratch / 'checkpoints'}",
         "eval.every=0",
@@ -90,7 +93,9 @@ def _trial_checks(trial: RunConfig, planned: RunConfig) -> list[Check]:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     try:
-        steps = [_timed_step(recipe) for _ in range(TRIAL_ITERATIONS)]
+        steps = []
+        while not _trial_done(steps, trial):
+            steps.append(_timed_step(recipe))
     except Exception as error:  # noqa: BLE001 - whatever stops the first iterations is the finding
         return [
             device_check(recipe),
@@ -105,6 +110,14 @@ def _trial_checks(trial: RunConfig, planned: RunConfig) -> list[Check]:
         memory_check(planned),
         time_check(last, planned),
     ]
+
+
+def _trial_done(steps: list[dict[str, float]], trial: RunConfig) -> bool:
+    if len(steps) < TRIAL_ITERATIONS:
+        return False
+    steered = trial.trust_region.strategy != "none" and trial.trust_region.kl_feedback is KLFeedback.GRADIENT_RATIO
+    measured = sum("update/kl_grad_ratio" in step for step in steps)
+    return not steered or measured >= 2 or len(steps) >= MAX_TRIAL_ITERATIONS
 
 
 def _timed_step(recipe) -> dict[str, float]:

@@ -54,6 +54,7 @@ def test_demo_single_process_against_mlflow_server(mlflow_server, tmp_path):
         "lora.rank=4",
         "registry.model_name=demo-policy",
         "registry.promote=true",
+        "registry.min_eval_prompts=2",  # the short demo's held-out split
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "completed after 2 iteration(s)" in result.stdout
@@ -98,6 +99,7 @@ def test_demo_two_processes_under_the_deepspeed_launcher(mlflow_server, tmp_path
         "tracking.experiment=two-ranks",
         "registry.model_name=two-rank-policy",
         "registry.promote=true",
+        "registry.min_eval_prompts=2",
     ]
     result = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from core.registry import CHALLENGER, CHAMPION, METRIC_TAG_PREFIX
+from core.registry import CHALLENGER, CHAMPION, DEFAULT_MIN_EVAL_PROMPTS, METRIC_TAG_PREFIX, EvalSet
 from core.tracking import Tracker, TrackingConfig
 from tests.integration.pipeline_runs import environment
 
@@ -71,7 +71,8 @@ def _challenger_on(server_url: str) -> str:
     client = MlflowClient(server_url)
     name = f"env-{uuid.uuid4().hex[:8]}"
     client.create_registered_model(name)
-    version = client.create_model_version(name, "s3://nowhere/model", tags={f"{METRIC_TAG_PREFIX}eval/reward": "0.5"})
+    tags = {f"{METRIC_TAG_PREFIX}eval/reward": "0.5", **EvalSet("0" * 32, DEFAULT_MIN_EVAL_PROMPTS, "exam.txt").tags()}
+    version = client.create_model_version(name, "s3://nowhere/model", tags=tags)
     client.set_registered_model_alias(name, CHALLENGER, version.version)
     return name
 
