@@ -21,7 +21,7 @@ class KLStrategy(str, Enum):
 class TrustRegion:
     """Weights of the two KL terms and the anchor refresh interval N (the reference code's N = 10)."""
 
-    strategy: KLStrategy = KLStrategy.DUAL
+    strategy: KLStrategy = KLStrategy.MOVING
     position_weight: float = 1.0
     stepwise_weight: float = 0.1
     anchor_interval: int = 10

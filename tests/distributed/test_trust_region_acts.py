@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("trust_region_worker.py")
-SETTINGS = {"none": {"strategy": "none"}, "default": {}, "paper": {"preset": "paper"}}
+SETTINGS = {"none": {"strategy": "none"}, "default": {}, "dual": {"strategy": "dual"}, "paper": {"preset": "paper"}}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_default_lambda_is_steered_to_hold_the_gradient_ratio_at_its_target(repo
 
 
 def test_velocity_kl_to_the_lagged_policy_is_positive_from_the_second_update(report):
-    history = report["default"]["history"]
+    history = report["dual"]["history"]
     assert history[0]["velocity_kl"] == 0.0  # the lagged copy starts as the initial policy
     assert all(h["velocity_kl"] > 0 for h in history[1:])
-    assert report["default"]["state"]
+    assert report["dual"]["state"] and not report["default"]["state"]  # the default (moving) keeps no lagged copy

@@ -172,6 +172,7 @@ def test_plan_from_a_config_reads_the_run_schema(tmp_path, counted):
         "deepspeed: {config: zero3_offload, zero3_leaf_modules: [HunyuanVideo15TransformerBlock]}\n"
         "update: {micro_batch_size: 1, gradient_checkpointing: true}\n"
         "rollout: {group_size: 2, prompts_per_rank: 1}\n"
+        "trust_region: {strategy: dual}\n"
         "data: {source: prompts.txt}\n"
     )
     plan = memory_plan.plan_from_config(config, gpus_per_node=8, nodes=1, gpu_mem_gb=80)
@@ -198,6 +199,7 @@ def test_plan_from_a_config_reads_the_run_schema(tmp_path, counted):
 
     assert references("trust_region.strategy=none") == 0
     assert references("trust_region.velocity_estimator=rollout_logratio") == plan.references // 2
+    assert references("trust_region.strategy=moving") == plan.references // 2  # the default: the anchor alone
     assert references("update.updates_per_rollout=2") == plan.references // 2
 
     with pytest.raises(UserError, match="only models"):

@@ -20,7 +20,7 @@ def test_each_micro_step_uses_its_updates_references_swapped_in_once_per_update(
     rollout = generate(adapter, ["a", "b"], 2, config, seed=0, batch_size=2, decode=False, progress=False)
     micro_steps = len(rollout.batches) * int(rollout.trained_steps.sum())  # 2 chunks x 2 trained steps
     engine = SGDEngine(adapter.transformer, accumulation=micro_steps // 2)
-    trust = TrustRegionConfig(anchor_interval=1)  # the anchor moves between the two updates
+    trust = TrustRegionConfig(strategy="dual", anchor_interval=1)  # the anchor moves between the two updates
     updater = Updater(engine, adapter, UpdateConfig(micro_batch_size=2, updates_per_rollout=2), trust)
     references = {"anchor_mean": updater.anchor, "lagged_mean": updater.lagged}
 
