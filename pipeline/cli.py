@@ -465,7 +465,40 @@ def build_parser() -> argparse.ArgumentParser:
     _add_env(subparsers)
     for add in (_add_preflight, _add_check_reward, _add_serve_reward, _add_plan, _add_promote, _add_schedule):
         add(subparsers)
+    _document(subparsers)
     return parser
+
+
+EXAMPLES = {
+    "run": "sagegrpo run configs/demo.yaml run.max_iterations=4 lora.enabled=true",
+    "eval": "sagegrpo eval configs/demo.yaml --checkpoint auto | jq .",
+    "sample": 'sagegrpo sample configs/demo.yaml --checkpoint auto --prompt "a red kite" --out samples',
+    "inspect-sde": "sagegrpo inspect-sde --variant all --steps 20 --shift 5 --eta 0.5 --json",
+    "export": "sagegrpo export configs/demo.yaml --checkpoint auto --out exports/demo",
+    "config": "sagegrpo config configs/demo.yaml update.learning_rate=1e-4",
+    "env": "sagegrpo env",
+    "preflight": "sagegrpo preflight configs/hunyuanvideo15_sage_lora.yaml",
+    "check-reward": "sagegrpo check-reward my_rewards.module:MyReward --videos 4",
+    "serve-reward": "sagegrpo serve-reward rewards.yaml --port 8000",
+    "plan": "sagegrpo plan configs/hunyuanvideo15_sage_full.yaml --gpus-per-node 8 --nodes 8",
+    "promote": "sagegrpo promote --model t2v-policy --config configs/demo.yaml --dry-run",
+    "schedule": "sagegrpo schedule configs/demo.yaml --prompts s3://b/prompts/ --checkpoint-root s3://b/ckpt --model m",
+}
+EXIT_CODES = """exit codes:
+  0   done
+  1   a failure that would recur (preflight: a check failed)
+  2   a mistake in the command or the config: one line on stderr, nothing written
+  75  retryable, restart with --resume auto: stopped by SIGTERM/SIGUSR1 or its time budget after a committed
+      checkpoint, a store or tracking server unreachable, a full disk (nothing committed is lost)"""
+
+
+def _document(subparsers) -> None:
+    """Every subcommand's own help page: what it does (its line in the command list), an example and the exit codes."""
+    summaries = {action.dest: action.help for action in subparsers._choices_actions}  # argparse keeps them only here
+    for name, parser in subparsers.choices.items():
+        parser.description = summaries[name]
+        parser.epilog = f"example:\n  {EXAMPLES[name]}\n\n{EXIT_CODES}"
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,5 +1,6 @@
 """The command line's basics: version, fast help, options and overrides in any order, the resolved config, env."""
 
+import re
 import subprocess
 import sys
 
@@ -141,3 +142,23 @@ def test_the_program_returns_the_commands_status_in_a_single_process():
     assert result.returncode == 2
     assert "sde.steps" in result.stderr
     assert result.stdout.strip().endswith("atexit hook ran")
+
+
+@pytest.mark.parametrize("command", sorted(cli.EXAMPLES))
+def test_every_subcommand_help_says_what_it_does_with_an_example_and_the_exit_codes(command, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.parse_args([command, "--help"])
+    assert exited.value.code == 0
+    usage, description, *sections = capsys.readouterr().out.split("\n\n")
+    assert usage.startswith(f"usage: sagegrpo {command}")
+    assert description and not description.startswith(("positional arguments:", "options:"))  # a sentence first
+    rest = "\n\n".join(sections)
+    assert f"example:\n  sagegrpo {command}" in rest
+    assert "exit codes:" in rest and "75  retryable" in rest
+
+
+def test_every_subcommand_has_an_example(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    listed = re.search(r"\{([a-z,-]+)\}", capsys.readouterr().out).group(1).split(",")
+    assert sorted(listed) == sorted(cli.EXAMPLES)
