@@ -54,6 +54,7 @@ RUN mkdir -p core stages pipeline && touch core/__init__.py stages/__init__.py p
  && pip install -c constraints/production.txt ".[video,gpu]" "psycopg2-binary>=2.9,<3" && pip uninstall -y sage-grpo
 # A regular install: deepspeed_configs/ is package data beside the packages (stages/update.py finds it there), and
 # the bytecode is compiled now, since the pods' root filesystem is read-only.
+COPY sage_grpo ./sage_grpo
 COPY core ./core
 COPY stages ./stages
 COPY pipeline ./pipeline

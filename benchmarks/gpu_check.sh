@@ -25,7 +25,7 @@ if [ -d .whl ]; then
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-sagegrpo=(python3 -m pipeline.cli)  # the checkout itself, installed or not (timeout runs programs, not functions)
+sagegrpo=(python3 -m sage_grpo.pipeline.cli)  # the checkout itself, installed or not (timeout runs programs, not functions)
 
 step() {  # step NAME SECONDS COMMAND...: its output to NAME.log, the last lines shown, its status and time kept
     local name=$1 limit=$2 started=$SECONDS status

@@ -36,15 +36,15 @@ from pathlib import Path
 import torch
 
 from benchmarks.rollout import diffusers_pipeline, median_seconds, ours
-from core import distributed
-from core.grpo import group_advantages
-from core.models.tiny import tiny_hunyuan15
-from core.rewards import RewardSpec
-from core.rewards.base import VideoBatch, weighted_total
-from core.rewards.simple import Brightness, TemporalSmoothness
-from stages.rollout import SDEConfig, generate
-from stages.score import Scorer
-from stages.update import TrustRegionConfig, UpdateConfig, Updater, build_engine
+from sage_grpo.core import distributed
+from sage_grpo.core.grpo import group_advantages
+from sage_grpo.core.models.tiny import tiny_hunyuan15
+from sage_grpo.core.rewards import RewardSpec
+from sage_grpo.core.rewards.base import VideoBatch, weighted_total
+from sage_grpo.core.rewards.simple import Brightness, TemporalSmoothness
+from sage_grpo.stages.rollout import SDEConfig, generate
+from sage_grpo.stages.score import Scorer
+from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater, build_engine
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ("a red ball bouncing", "a blue car driving at night")

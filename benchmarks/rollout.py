@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from core.models import build_adapter
-from stages.rollout import SDEConfig, generate
+from sage_grpo.core.models import build_adapter
+from sage_grpo.stages.rollout import SDEConfig, generate
 
 
 def ours(adapter, prompts, steps):

@@ -8,7 +8,7 @@ import argparse
 import torch
 
 from benchmarks.perf import SIZES, report_memory, report_update
-from core import distributed
+from sage_grpo.core import distributed
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from core import distributed
-from core.grpo import group_advantages
-from core.models.tiny import tiny_hunyuan15
-from stages.rollout import SDEConfig, generate
-from stages.update import TrustRegionConfig, UpdateConfig, Updater, accumulation_steps, build_engine
+from sage_grpo.core import distributed
+from sage_grpo.core.grpo import group_advantages
+from sage_grpo.core.models.tiny import tiny_hunyuan15
+from sage_grpo.stages.rollout import SDEConfig, generate
+from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater, accumulation_steps, build_engine
 
 
 def _bytes(tensors) -> int:

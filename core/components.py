@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
-from core.errors import UserError
+from sage_grpo.core.errors import UserError
 
 
 def resolve(name: str, registry: dict[str, str], kind: str) -> Callable:

@@ -14,8 +14,8 @@ from typing import TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from core import secrets
-from core.errors import UserError
+from sage_grpo.core import secrets
+from sage_grpo.core.errors import UserError
 
 Model = TypeVar("Model", bound=BaseModel)
 

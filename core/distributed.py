@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from core.files import remove_abandoned
+from sage_grpo.core.files import remove_abandoned
 
 # The folder of a single process's rendezvous file (see ``init``), removed by ``shutdown``.
 _rendezvous: str | None = None
@@ -52,7 +52,7 @@ def init(timeout_minutes: float = 30.0) -> None:
         return
     import deepspeed
 
-    from core.ops_cache import clear_stale_locks, use_this_environments_ninja
+    from sage_grpo.core.ops_cache import clear_stale_locks, use_this_environments_ninja
 
     # DeepSpeed loads (or JIT-builds) its ops here; a lock left by a process killed mid-build would hang every rank,
     # and another environment's ninja would rebuild them.

@@ -42,12 +42,12 @@ import safetensors.torch
 import torch
 from huggingface_hub import save_torch_state_dict
 
-from core import distributed
-from core.errors import UserError
-from core.files import fsync_tree, remove_abandoned
-from core.lora import ADAPTER_NAME
-from core.secrets import mask_tree
-from core.storage import _move_into_place, _sha256_and_size
+from sage_grpo.core import distributed
+from sage_grpo.core.errors import UserError
+from sage_grpo.core.files import fsync_tree, remove_abandoned
+from sage_grpo.core.lora import ADAPTER_NAME
+from sage_grpo.core.secrets import mask_tree
+from sage_grpo.core.storage import _move_into_place, _sha256_and_size
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 TRANSFORMER_PREFIX = "transformer"  # the component name diffusers' LoRA loaders filter keys by

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from core.errors import UserError
+from sage_grpo.core.errors import UserError
 
 
 def make_writable_folder(path: str | Path, key: str) -> Path:

@@ -44,7 +44,7 @@ import sysconfig
 import time
 from pathlib import Path
 
-from core.errors import UserError
+from sage_grpo.core.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import os
 
 from tqdm.auto import tqdm
 
-from core import distributed
+from sage_grpo.core import distributed
 
 DISABLE_ENV = "TQDM_DISABLE"
 

@@ -67,11 +67,12 @@ from mlflow.pyfunc import PythonModel
 from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 from pydantic import BaseModel, ConfigDict, Field
 
-from core.errors import RetryableStop, UserError, first_line
-from core.export import LORA_WEIGHT_NAME, read_export_manifest
-from core.secrets import MASK, mask_uri
-from core.storage import _sha256_and_size, load_tensors
-from core.tracking import is_outage
+import sage_grpo
+from sage_grpo.core.errors import RetryableStop, UserError, first_line
+from sage_grpo.core.export import LORA_WEIGHT_NAME, read_export_manifest
+from sage_grpo.core.secrets import MASK, mask_uri
+from sage_grpo.core.storage import _sha256_and_size, load_tensors
+from sage_grpo.core.tracking import is_outage
 
 CHALLENGER = "challenger"
 CHAMPION = "champion"
@@ -307,10 +308,12 @@ _SERVING_PACKAGES = (
 
 
 def _code_copy(destination: Path) -> Path:
-    """``core`` without bytecode caches (interpreter-specific, and they would change the sha256 list per machine)."""
-    target = destination / _CODE_PACKAGE.name
-    shutil.copytree(_CODE_PACKAGE, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    return target
+    """``sage_grpo`` holding ``core`` alone, without bytecode caches (interpreter-specific, and they would change the
+    sha256 list per machine)."""
+    package = destination / "sage_grpo"
+    shutil.copytree(_CODE_PACKAGE, package / "core", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copy2(sage_grpo.__file__, package / "__init__.py")
+    return package
 
 
 def serving_requirements() -> list[str]:
@@ -357,7 +360,7 @@ class VideoPolicyModel(PythonModel):
     """
 
     def load_context(self, context) -> None:
-        from core.models import build_adapter
+        from sage_grpo.core.models import build_adapter
 
         export_dir = Path(context.artifacts["export"])
         manifest = read_export_manifest(export_dir)  # a corrupted weight file fails here, not as garbage videos

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from core.errors import UserError
+from sage_grpo.core.errors import UserError
 
 logger = logging.getLogger(__name__)
 

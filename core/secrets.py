@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from core.errors import UserError
+from sage_grpo.core.errors import UserError
 
 MASK = "***"
 

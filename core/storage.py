@@ -65,11 +65,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from s3transfer.exceptions import RetriesExceededError
 from safetensors.torch import load_file
 
-from core.errors import StoreUnavailable, UserError
-from core.files import atomic_write_bytes, fsync_dir, fsync_tree
-from core.s3 import s3_client
-from core.safe_load import refusal_reason
-from core.secrets import mask_uri
+from sage_grpo.core.errors import StoreUnavailable, UserError
+from sage_grpo.core.files import atomic_write_bytes, fsync_dir, fsync_tree
+from sage_grpo.core.s3 import s3_client
+from sage_grpo.core.safe_load import refusal_reason
+from sage_grpo.core.secrets import mask_uri
 
 logger = logging.getLogger(__name__)
 

@@ -46,9 +46,9 @@ from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_COMMIT, 
 from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH, _validate_metric_name
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from core import distributed
-from core.files import atomic_write_text
-from core.secrets import mask_tree, mask_uri, mask_value
+from sage_grpo.core import distributed
+from sage_grpo.core.files import atomic_write_text
+from sage_grpo.core.secrets import mask_tree, mask_uri, mask_value
 
 log = logging.getLogger(__name__)
 

@@ -18,4 +18,4 @@ if ! flock --nonblock 9; then
 fi
 # exec keeps fd 9, and with it the lock, and makes Python the process that receives SIGTERM (it relays it to the
 # running step, which checkpoints and exits 75).
-exec "$PYTHON" -m pipeline.cli schedule "$@"
+exec "$PYTHON" -m sage_grpo.pipeline.cli schedule "$@"

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from core import config_loading
-from core.errors import UserError
-from core.rewards import RewardSpec, VideoBatch
-from pipeline.config import load_run_config
-from stages.ingest import DataConfig, ingest
-from stages.score import Scorer, ScoringConfig
+from sage_grpo.core import config_loading
+from sage_grpo.core.errors import UserError
+from sage_grpo.core.rewards import RewardSpec, VideoBatch
+from sage_grpo.pipeline.config import load_run_config
+from sage_grpo.stages.ingest import DataConfig, ingest
+from sage_grpo.stages.score import Scorer, ScoringConfig
 
 # Used when neither the config nor the caller says: small enough for a laptop CPU, long enough for temporal rewards.
 DEFAULT_FRAMES, DEFAULT_HEIGHT, DEFAULT_WIDTH, DEFAULT_FPS = 9, 64, 64, 24.0

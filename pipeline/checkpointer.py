@@ -33,11 +33,11 @@ from typing import Any, Protocol
 
 import torch
 
-from core import distributed
-from core.errors import UserError
-from core.safe_load import UnsafeCheckpointError, convert_to_universal, load_engine_checkpoint
-from core.storage import CheckpointError, FileEntry, Manifest, load_torch
-from pipeline.config import RunConfig
+from sage_grpo.core import distributed
+from sage_grpo.core.errors import UserError
+from sage_grpo.core.safe_load import UnsafeCheckpointError, convert_to_universal, load_engine_checkpoint
+from sage_grpo.core.storage import CheckpointError, FileEntry, Manifest, load_torch
+from sage_grpo.pipeline.config import RunConfig
 
 logger = logging.getLogger(__name__)
 

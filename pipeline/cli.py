@@ -10,7 +10,7 @@ import re
 import sys
 from datetime import date
 
-from core.errors import (
+from sage_grpo.core.errors import (
     RETRYABLE_EXIT_CODE,
     RetryableStop,
     StoreUnavailable,
@@ -18,8 +18,8 @@ from core.errors import (
     first_line,
     out_of_space,
 )
-from core.secrets import mask_process_output, mask_uri
-from pipeline.signals import retryable_signals
+from sage_grpo.core.secrets import mask_process_output, mask_uri
+from sage_grpo.pipeline.signals import retryable_signals
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,8 +39,8 @@ def _add_inspect_sde(subparsers) -> None:
 
 
 def _inspect_sde(args) -> int:
-    from core import sde
-    from pipeline.inspect_sde import run
+    from sage_grpo.core import sde
+    from sage_grpo.pipeline.inspect_sde import run
 
     if args.variant != "all" and args.variant not in sde.VARIANTS:
         raise UserError(f"--variant {args.variant!r} is not one of {', '.join(sde.VARIANTS)}, all")
@@ -75,7 +75,7 @@ def _run(args) -> int:
         overrides.append(f"run.max_iterations={args.max_iterations}")
     # From before the slow imports: a stop signal anywhere outside the training loop (which handles its own) exits 75.
     with retryable_signals():
-        from pipeline.commands import run_command
+        from sage_grpo.pipeline.commands import run_command
 
         return run_command(
             args.config, overrides, resume=args.resume, fresh_start=args.fresh_start, verbosity=args.verbosity
@@ -91,7 +91,7 @@ def _add_eval(subparsers) -> None:
 
 
 def _eval(args) -> int:
-    from pipeline.commands import eval_command
+    from sage_grpo.pipeline.commands import eval_command
 
     return eval_command(args.config, list(args.overrides), args.checkpoint, verbosity=args.verbosity)
 
@@ -108,7 +108,7 @@ def _add_sample(subparsers) -> None:
 
 
 def _sample(args) -> int:
-    from pipeline.commands import sample_command
+    from sage_grpo.pipeline.commands import sample_command
 
     return sample_command(
         args.config, list(args.overrides), args.prompt, args.checkpoint, args.out, args.seed, verbosity=args.verbosity
@@ -131,7 +131,7 @@ def _add_export(subparsers) -> None:
 
 def _export(args) -> int:
     with retryable_signals():
-        from pipeline.commands import export_command
+        from sage_grpo.pipeline.commands import export_command
 
         return export_command(args.config, list(args.overrides), args.checkpoint, args.out, verbosity=args.verbosity)
 
@@ -148,8 +148,8 @@ def _add_config(subparsers) -> None:
 def _config(args) -> int:
     import yaml
 
-    from core.tracking import masked_config
-    from pipeline.config import load_run_config
+    from sage_grpo.core.tracking import masked_config
+    from sage_grpo.pipeline.config import load_run_config
 
     print(yaml.safe_dump(masked_config(load_run_config(args.config, list(args.overrides))), sort_keys=False), end="")
     return 0
@@ -206,7 +206,7 @@ def _add_check_reward(subparsers) -> None:
 
 
 def _check_reward(args) -> int:
-    from pipeline.check_reward import check_reward, parse_size
+    from sage_grpo.pipeline.check_reward import check_reward, parse_size
 
     return check_reward(
         args.target,
@@ -230,7 +230,7 @@ def _add_preflight(subparsers) -> None:
 
 
 def _preflight(args) -> int:
-    from pipeline.commands import preflight_command
+    from sage_grpo.pipeline.commands import preflight_command
 
     return preflight_command(args.config, list(args.overrides), verbosity=args.verbosity)
 
@@ -255,8 +255,8 @@ def _serve_reward(args) -> int:
     import torch
     from pydantic import ValidationError
 
-    from core.config_loading import one_line
-    from core.rewards.server import ServerSettings, load_reward_specs, serve
+    from sage_grpo.core.config_loading import one_line
+    from sage_grpo.core.rewards.server import ServerSettings, load_reward_specs, serve
 
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
@@ -291,7 +291,7 @@ def _add_plan(subparsers) -> None:
 
 
 def _plan(args) -> int:
-    from pipeline.memory_plan import plan_from_config
+    from sage_grpo.pipeline.memory_plan import plan_from_config
 
     if args.gpu_mem <= 0 or not math.isfinite(args.gpu_mem):
         raise UserError(f"--gpu-mem must be a positive number of GB, got {args.gpu_mem}")
@@ -335,9 +335,9 @@ def _add_promote(subparsers) -> None:
 def _promote(args) -> int:
     from mlflow import MlflowClient
 
-    from core.registry import outage_is_retryable, promote
-    from core.tracking import TrackingConfig, fail_fast_http
-    from pipeline.config import RegistryConfig, load_run_config
+    from sage_grpo.core.registry import outage_is_retryable, promote
+    from sage_grpo.core.tracking import TrackingConfig, fail_fast_http
+    from sage_grpo.pipeline.config import RegistryConfig, load_run_config
 
     if args.overrides and not args.config:
         raise UserError(f"promote: overrides need a --config to apply to: {' '.join(args.overrides)}")
@@ -416,7 +416,7 @@ def _add_schedule(subparsers) -> None:
 
 
 def _schedule(args) -> int:
-    from pipeline.schedule import ScheduleOptions, run_schedule
+    from sage_grpo.pipeline.schedule import ScheduleOptions, run_schedule
 
     if args.config_option and args.config and "=" in args.config:  # `--config C key=value`: no positional config
         args.config, args.overrides = None, [args.config, *args.overrides]
@@ -562,13 +562,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def program() -> int:
-    """``sagegrpo`` as a program (the console script, ``python -m pipeline.cli``): ``main``, then a process that
-    started a process group ends through ``core.distributed.exit_launched``."""
+    """``sagegrpo`` as a program (the console script, ``python -m sage_grpo.pipeline.cli``): ``main``, then a
+    process that started a process group ends through ``core.distributed.exit_launched``."""
     mask_process_output()
     code = main()
     if "torch.distributed" not in sys.modules:  # --help, config, plan: no process group, and no torch to import
         return code
-    from core import distributed
+    from sage_grpo.core import distributed
 
     return distributed.exit_launched(code)
 

@@ -12,10 +12,10 @@ import sys
 import warnings
 from pathlib import Path
 
-from core import distributed
-from core.progress import DISABLE_ENV
-from core.secrets import mask_uri
-from pipeline.config import RunConfig, load_run_config
+from sage_grpo.core import distributed
+from sage_grpo.core.progress import DISABLE_ENV
+from sage_grpo.core.secrets import mask_uri
+from sage_grpo.pipeline.config import RunConfig, load_run_config
 
 # Libraries whose start-up chatter and deprecation notices are not the user's to act on (at the default verbosity).
 THIRD_PARTY = (
@@ -65,7 +65,7 @@ def run_command(
     with contextlib.redirect_stdout(sys.stderr):
         config = load_run_config(config_path, overrides)
         setup_logging(verbosity)
-        from pipeline.recipe import SageGRPORecipe
+        from sage_grpo.pipeline.recipe import SageGRPORecipe
 
         recipe = SageGRPORecipe(config)
         recipe.setup(resume=resume, fresh_start=fresh_start)
@@ -132,7 +132,7 @@ def sample_command(
 def export_command(config_path: str, overrides: list[str], checkpoint: str, out: str | None, verbosity: int = 0) -> int:
     """The diffusers-format export of any checkpoint (``auto``: the newest verified one); prints its folder."""
     if out:  # refused before minutes of model loading; the export checks again when it writes
-        from core.export import check_replaceable
+        from sage_grpo.core.export import check_replaceable
 
         check_replaceable(out)
     with contextlib.redirect_stdout(sys.stderr):
@@ -147,7 +147,7 @@ def export_command(config_path: str, overrides: list[str], checkpoint: str, out:
 def _recipe_with_policy(config_path: str, overrides: list[str], checkpoint: str | None, verbosity: int):
     config = load_run_config(config_path, overrides)
     setup_logging(verbosity)
-    from pipeline.recipe import SageGRPORecipe
+    from sage_grpo.pipeline.recipe import SageGRPORecipe
 
     recipe = SageGRPORecipe(config)
     recipe.setup_policy(checkpoint)
@@ -158,7 +158,7 @@ def preflight_command(config_path: str, overrides: list[str], verbosity: int = 0
     """Exit 0 when every check passes, 1 otherwise (the failed checks are the last lines of the table)."""
     load_run_config(config_path, overrides)  # a config error is one line before anything is built
     setup_logging(verbosity)
-    from pipeline.preflight import preflight, table
+    from sage_grpo.pipeline.preflight import preflight, table
 
     with contextlib.redirect_stdout(sys.stderr):
         checks = preflight(config_path, overrides)

@@ -10,18 +10,24 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from core import config_loading
-from core.lora import LoraConfig
-from core.models import ModelConfig
-from core.registry import RegistryConfig
-from core.rewards.registry import RewardSpec
-from core.storage import CheckpointConfig
-from core.tracking import TrackingConfig
-from stages.evaluate import EvalConfig
-from stages.ingest import DataConfig
-from stages.rollout import RolloutConfig, SDEConfig
-from stages.score import ScoringConfig
-from stages.update import DeepSpeedConfig, TrustRegionConfig, UpdateConfig, check_optimizer_fits, deepspeed_config
+from sage_grpo.core import config_loading
+from sage_grpo.core.lora import LoraConfig
+from sage_grpo.core.models import ModelConfig
+from sage_grpo.core.registry import RegistryConfig
+from sage_grpo.core.rewards.registry import RewardSpec
+from sage_grpo.core.storage import CheckpointConfig
+from sage_grpo.core.tracking import TrackingConfig
+from sage_grpo.stages.evaluate import EvalConfig
+from sage_grpo.stages.ingest import DataConfig
+from sage_grpo.stages.rollout import RolloutConfig, SDEConfig
+from sage_grpo.stages.score import ScoringConfig
+from sage_grpo.stages.update import (
+    DeepSpeedConfig,
+    TrustRegionConfig,
+    UpdateConfig,
+    check_optimizer_fits,
+    deepspeed_config,
+)
 
 
 class _Section(BaseModel):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from core import sde
-from core.errors import UserError
+from sage_grpo.core import sde
+from sage_grpo.core.errors import UserError
 
 
 def schedule_table(variant: str, steps: int, shift: float, eta: float) -> list[dict]:

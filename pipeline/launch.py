@@ -1,5 +1,5 @@
 """torchrun for schedulers that restart on an exit code:
-``python -m pipeline.launch [--retry-exit-code N] TORCHRUN-ARGS``.
+``python -m sage_grpo.pipeline.launch [--retry-exit-code N] TORCHRUN-ARGS``.
 
 torchrun itself exits 1 whenever a worker fails, whatever the worker's status, so the status 75 with which a run
 reports "checkpointed on SIGTERM/SIGUSR1, restart me" (pipeline/errors.py) would reach Kubernetes or Slurm as an
@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from core.errors import RETRYABLE_EXIT_CODE
+from sage_grpo.core.errors import RETRYABLE_EXIT_CODE
 
 
 def exit_status(root_cause_exitcode: int | None, signalled: bool, retry_exit_code: int) -> int:
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    ours = argparse.ArgumentParser(prog="python -m pipeline.launch", add_help=False, allow_abbrev=False)
+    ours = argparse.ArgumentParser(prog="python -m sage_grpo.pipeline.launch", add_help=False, allow_abbrev=False)
     ours.add_argument(
         "--retry-exit-code",
         type=int,
@@ -54,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         _, failure = error.get_first_failure()
         return exit_status(failure.exitcode, False, args.retry_exit_code)
     except SignalException as error:
-        print(f"pipeline.launch: stopped by {error.sigval.name}; workers were asked to checkpoint", file=sys.stderr)
+        print(
+            f"sage_grpo.pipeline.launch: stopped by {error.sigval.name}; workers were asked to checkpoint",
+            file=sys.stderr,
+        )
         return exit_status(None, True, args.retry_exit_code)
     return exit_status(None, False, args.retry_exit_code)
 

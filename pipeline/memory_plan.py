@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.errors import UserError
+from sage_grpo.core.errors import UserError
 
 GIB = 2**30
 BF16_BYTES = 2
@@ -81,7 +81,7 @@ def hunyuanvideo15_shape(
     import torch
     from diffusers import HunyuanVideo15Transformer3DModel
 
-    from core.lora import add_lora
+    from sage_grpo.core.lora import add_lora
 
     with torch.device("meta"):
         model = HunyuanVideo15Transformer3DModel.from_config(transformer_config or {})
@@ -205,7 +205,7 @@ def anchor_bytes(trainable_count: int, zero_stage: int, offload_param: bool, anc
 def largest_gathered(model, zero3_leaf_modules: str | list[str]) -> int:
     """The most parameters ZeRO-3 holds gathered at once: a leaf block's (all of its parameters) or, outside the
     leaves, one module's own."""
-    from stages.update import zero3_leaves
+    from sage_grpo.stages.update import zero3_leaves
 
     leaves = zero3_leaves(model, zero3_leaf_modules)
     inside = {id(module) for leaf in leaves for module in leaf.modules()}
@@ -390,7 +390,7 @@ def plan(
 
 def _zero_settings(name_or_path: str) -> tuple[int, bool, bool]:
     """(stage, offload_optimizer, offload_param) of a DeepSpeed config, found the way stages/update.py finds it."""
-    from stages.update import DEEPSPEED_CONFIGS
+    from sage_grpo.stages.update import DEEPSPEED_CONFIGS
 
     path = Path(name_or_path)
     if not path.suffix:
@@ -414,7 +414,7 @@ def plan_from_config(
     config_path: str | Path, gpus_per_node: int, nodes: int, gpu_mem_gb: float, overrides: list[str] = ()
 ) -> MemoryPlan:
     """The plan for a run config, validated by the run schema (``pipeline.config``) with ``key=value`` overrides."""
-    from pipeline.config import load_run_config
+    from sage_grpo.pipeline.config import load_run_config
 
     return plan_for(load_run_config(config_path, overrides), gpus_per_node, nodes, gpu_mem_gb)
 

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from core import distributed
-from core.grpo import KLFeedback
-from pipeline.config import RunConfig, load_run_config
+from sage_grpo.core import distributed
+from sage_grpo.core.grpo import KLFeedback
+from sage_grpo.pipeline.config import RunConfig, load_run_config
 
 ON_POLICY_TOLERANCE = 1e-5
 # Where a KL-steered lambda's gradient ratio steers without drowning the policy term; a ratio-steered lambda is
@@ -86,7 +86,7 @@ def schedule_check(config: RunConfig) -> Check:
 
 
 def _trial_checks(trial: RunConfig, planned: RunConfig) -> list[Check]:
-    from pipeline.recipe import SageGRPORecipe
+    from sage_grpo.pipeline.recipe import SageGRPORecipe
 
     recipe = SageGRPORecipe(trial)
     recipe.setup()
@@ -205,8 +205,8 @@ def memory_check(config: RunConfig) -> Check:
 
 
 def _planned_gb(config: RunConfig) -> float | None:
-    from core.errors import UserError
-    from pipeline.memory_plan import plan_for
+    from sage_grpo.core.errors import UserError
+    from sage_grpo.pipeline.memory_plan import plan_for
 
     total_gb = torch.cuda.get_device_properties(distributed.device()).total_memory / 1024**3
     nodes = max(1, distributed.world_size() // max(1, torch.cuda.device_count()))

@@ -24,22 +24,22 @@ from typing import Any
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from core import distributed
-from core.errors import RETRYABLE_EXIT_CODE, RetryableStop, UserError, out_of_space
-from core.export import STAGING_FOLDER
-from core.files import atomic_write_text, make_writable_folder, remove_abandoned
-from core.lora import add_lora
-from core.models import build_adapter
-from core.progress import progress_bar
-from core.tracking import Tracker, masked_config
-from pipeline.checkpointer import Checkpointer, RNGState
-from pipeline.config import RunConfig
-from pipeline.signals import preemption_signals
-from stages import evaluate as evaluation
-from stages.ingest import CachedEmbeddings, EmbeddingCache, PromptSampler, ingest
-from stages.rollout import SDEConfig, generate
-from stages.score import Scorer, reward_metrics
-from stages.update import Updater, build_engine, compute_advantages
+from sage_grpo.core import distributed
+from sage_grpo.core.errors import RETRYABLE_EXIT_CODE, RetryableStop, UserError, out_of_space
+from sage_grpo.core.export import STAGING_FOLDER
+from sage_grpo.core.files import atomic_write_text, make_writable_folder, remove_abandoned
+from sage_grpo.core.lora import add_lora
+from sage_grpo.core.models import build_adapter
+from sage_grpo.core.progress import progress_bar
+from sage_grpo.core.tracking import Tracker, masked_config
+from sage_grpo.pipeline.checkpointer import Checkpointer, RNGState
+from sage_grpo.pipeline.config import RunConfig
+from sage_grpo.pipeline.signals import preemption_signals
+from sage_grpo.stages import evaluate as evaluation
+from sage_grpo.stages.ingest import CachedEmbeddings, EmbeddingCache, PromptSampler, ingest
+from sage_grpo.stages.rollout import SDEConfig, generate
+from sage_grpo.stages.score import Scorer, reward_metrics
+from sage_grpo.stages.update import Updater, build_engine, compute_advantages
 
 logger = logging.getLogger(__name__)
 
@@ -413,7 +413,7 @@ class SageGRPORecipe:
     def export(self, out_dir: Path) -> Path:
         """The policy in the diffusers format (a LoRA adapter, or the whole transformer consolidated from ZeRO-3),
         with the base model recorded so the export (and a registered version) can be loaded back."""
-        from core import export
+        from sage_grpo.core import export
 
         model = self.config.model
         with self.policy.updater.ema_swapped_in():  # the EMA weights when update.ema_decay is set
@@ -469,7 +469,7 @@ class SageGRPORecipe:
         """Export the policy in the diffusers format (always); with ``registry.model_name``, register the export as
         the ``challenger`` with its eval metrics and, with ``registry.promote``, run the promotion gate. Idempotent:
         a run restarted after training finished comes straight here and registers the same version once."""
-        from core import registry
+        from sage_grpo.core import registry
 
         export_dir = self.export(self.config.output_dir / "exports" / f"step-{self.progress.iteration}")
         settings = self.config.registry

@@ -51,10 +51,10 @@ from typing import Any, Literal
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from core.errors import StoreUnavailable, UserError
-from core.s3 import s3_client
-from core.secrets import mask_uri
-from core.storage import is_outage
+from sage_grpo.core.errors import StoreUnavailable, UserError
+from sage_grpo.core.s3 import s3_client
+from sage_grpo.core.secrets import mask_uri
+from sage_grpo.core.storage import is_outage
 
 STEPS = ("train", "promote")
 RUN_PREFIX = "sage"
@@ -227,13 +227,13 @@ def step_command(step: str, decision: Decision, args: ScheduleOptions, root: Sto
         return [
             sys.executable,
             "-m",
-            "pipeline.launch",
+            "sage_grpo.pipeline.launch",
             "--standalone",
             f"--nproc-per-node={args.nproc_per_node}",
             "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1",
             "--shutdown-timeout=300",
-            "--module",  # torchrun starts each worker as `sys.executable -m pipeline.cli`
-            "pipeline.cli",
+            "--module",  # torchrun starts each worker as `sys.executable -m sage_grpo.pipeline.cli`
+            "sage_grpo.pipeline.cli",
             "run",
             args.config,
             *overrides,
@@ -241,12 +241,22 @@ def step_command(step: str, decision: Decision, args: ScheduleOptions, root: Sto
             "auto",
         ]
     # The gate's settings and the tracking server come from the same config and overrides as the run's.
-    return [sys.executable, "-m", "pipeline.cli", "promote", "--config", args.config, "--model", args.model, *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "sage_grpo.pipeline.cli",
+        "promote",
+        "--config",
+        args.config,
+        "--model",
+        args.model,
+        *overrides,
+    ]
 
 
 def check_config(decision: Decision, args: ScheduleOptions, root: Store) -> None:
     """The run config as training will see it, validated before any step starts (one line if it is wrong)."""
-    from pipeline.config import load_run_config
+    from sage_grpo.pipeline.config import load_run_config
 
     config = load_run_config(args.config, run_overrides(decision, args, root))
     if not config.tracking.server_uri():
@@ -260,7 +270,7 @@ def stores(args: ScheduleOptions) -> tuple[Store, Store]:
     """The checkpoint root and the prompts location, reached with the run's own S3 settings: ``checkpoint.*`` and
     ``data.s3_endpoint_url`` of the config and the user's overrides (the prompts location stands in for data.source,
     which is the schedule's to set)."""
-    from pipeline.config import load_run_config
+    from sage_grpo.pipeline.config import load_run_config
 
     config = load_run_config(args.config, [*args.overrides, f"data.source={args.prompts}"])
     return (

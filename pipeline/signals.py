@@ -11,7 +11,7 @@ import signal
 import threading
 from contextlib import contextmanager
 
-from core.errors import RETRYABLE_EXIT_CODE
+from sage_grpo.core.errors import RETRYABLE_EXIT_CODE
 
 logger = logging.getLogger(__name__)
 

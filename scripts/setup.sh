@@ -28,4 +28,4 @@ fi
 # mid-build leaves a lock that stalls every later run (core/ops_cache.py also clears such a stale lock). Skipped,
 # without importing DeepSpeed, when this environment built them; rebuilt when another environment sharing the
 # cache rebuilt them for its own paths since.
-.venv/bin/python -c "from core.ops_cache import prebuild_ops; prebuild_ops()"
+.venv/bin/python -c "from sage_grpo.core.ops_cache import prebuild_ops; prebuild_ops()"

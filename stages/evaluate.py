@@ -27,11 +27,11 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from core import sde
-from core.rewards.base import VideoBatch
-from core.rewards.registry import RewardSpec
-from stages.rollout import SDEConfig, generate
-from stages.score import Scorer
+from sage_grpo.core import sde
+from sage_grpo.core.rewards.base import VideoBatch
+from sage_grpo.core.rewards.registry import RewardSpec
+from sage_grpo.stages.rollout import SDEConfig, generate
+from sage_grpo.stages.score import Scorer
 
 
 class EvalConfig(BaseModel):

@@ -34,10 +34,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from core.errors import UserError
-from core.files import atomic_path
-from core.models.base import PromptEmbeddings
-from core.s3 import s3_client
+from sage_grpo.core.errors import UserError
+from sage_grpo.core.files import atomic_path
+from sage_grpo.core.models.base import PromptEmbeddings
+from sage_grpo.core.s3 import s3_client
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from core.models.base import PromptEmbeddings, VideoModelAdapter
-from core.progress import progress_bar
-from core.sde import SDEStepOutput, check_eta, flow_match_sigmas, gaussian_log_prob, noise_stds, sde_step
+from sage_grpo.core.models.base import PromptEmbeddings, VideoModelAdapter
+from sage_grpo.core.progress import progress_bar
+from sage_grpo.core.sde import SDEStepOutput, check_eta, flow_match_sigmas, gaussian_log_prob, noise_stds, sde_step
 
 
 class RolloutConfig(BaseModel):

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from core import distributed
-from core.errors import UserError
-from core.rewards import RewardSpec, RewardUnavailable, Scores, VideoBatch, build_reward, check_scores
-from core.rewards.base import (
+from sage_grpo.core import distributed
+from sage_grpo.core.errors import UserError
+from sage_grpo.core.rewards import RewardSpec, RewardUnavailable, Scores, VideoBatch, build_reward, check_scores
+from sage_grpo.core.rewards.base import (
     Columns,
     MetadataParameters,
     merge_dimensions,

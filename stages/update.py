@@ -41,9 +41,9 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from core import distributed, flops, sde
-from core.errors import UserError
-from core.grpo import (
+from sage_grpo.core import distributed, flops, sde
+from sage_grpo.core.errors import UserError
+from sage_grpo.core.grpo import (
     AdaptiveKLController,
     Advantages,
     GradientRatioController,
@@ -54,11 +54,11 @@ from core.grpo import (
     group_advantages,
     stepwise_kl,
 )
-from core.progress import progress_bar
-from core.schedules import LRSchedule, lr_multiplier
-from core.trust_region import KLStrategy, TrustRegion
-from stages.anchor import Anchor
-from stages.rollout import score_transition
+from sage_grpo.core.progress import progress_bar
+from sage_grpo.core.schedules import LRSchedule, lr_multiplier
+from sage_grpo.core.trust_region import KLStrategy, TrustRegion
+from sage_grpo.stages.anchor import Anchor
+from sage_grpo.stages.rollout import score_transition
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from core.models.base import PromptEmbeddings, VideoModelAdapter
+from sage_grpo.core.models.base import PromptEmbeddings, VideoModelAdapter
 
 
 def free_port() -> int:
@@ -69,7 +69,7 @@ def sagegrpo(*argv: str, timeout: int = 600, **env: str) -> subprocess.Completed
     """``sagegrpo ARGV...`` as a process from the repo root (the user rewards under tests/fixtures importable), its
     output captured; ``env`` adds to the worker environment."""
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *argv],
+        [sys.executable, "-m", "sage_grpo.pipeline.cli", *argv],
         cwd=REPO,
         env=worker_environment(**{"PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests' / 'fixtures'}", **env}),
         capture_output=True,
@@ -81,7 +81,7 @@ def sagegrpo(*argv: str, timeout: int = 600, **env: str) -> subprocess.Completed
 def refused_in_one_line(capsys, argv: list[str], key: str) -> str:
     """Run the CLI in-process on ``argv``: exit 2, one line on stderr naming ``key`` (``key:``, ``key=`` or ``key ``)
     and nothing else; that line."""
-    from pipeline import cli
+    from sage_grpo.pipeline import cli
 
     code = cli.main(argv)
     captured = capsys.readouterr()

@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from core import distributed
-from core.grpo import group_advantages
-from core.rewards.base import VideoBatch, weighted_total
-from stages.rollout import SDEConfig, generate
-from stages.update import (
+from sage_grpo.core import distributed
+from sage_grpo.core.grpo import group_advantages
+from sage_grpo.core.rewards.base import VideoBatch, weighted_total
+from sage_grpo.stages.rollout import SDEConfig, generate
+from sage_grpo.stages.update import (
     TrustRegionConfig,
     UpdateConfig,
     Updater,

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from diffusers import HunyuanVideo15Transformer3DModel
 
-from core.models.base import PromptEmbeddings, VideoModelAdapter, frames_to_uint8
+from sage_grpo.core.models.base import PromptEmbeddings, VideoModelAdapter, frames_to_uint8
 
 from . import world
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.rewards.base import VideoBatch
-from core.sde import shift_sigmas
-from stages.rollout import SDEConfig, generate
+from sage_grpo.core.rewards.base import VideoBatch
+from sage_grpo.core.sde import shift_sigmas
+from sage_grpo.stages.rollout import SDEConfig, generate
 
 from . import world
 from .model import CACHE_DIR, ToyWorldAdapter, build_transformer, train_used_weights, weights_key

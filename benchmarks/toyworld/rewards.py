@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from core.rewards.base import Scores, VideoBatch
+from sage_grpo.core.rewards.base import Scores, VideoBatch
 
 from . import world
 

@@ -15,10 +15,10 @@ from .base import PromptEmbeddings, VideoModelAdapter
 
 # name -> "module:factory".
 _REGISTRY = {
-    "hunyuan15": "core.models.hunyuan15:HunyuanVideo15Adapter.from_pretrained",
-    "wan": "core.models.wan:WanAdapter.from_pretrained",
-    "tiny-hunyuan15": "core.models.tiny:tiny_hunyuan15",
-    "tiny-wan": "core.models.tiny:tiny_wan",
+    "hunyuan15": "sage_grpo.core.models.hunyuan15:HunyuanVideo15Adapter.from_pretrained",
+    "wan": "sage_grpo.core.models.wan:WanAdapter.from_pretrained",
+    "tiny-hunyuan15": "sage_grpo.core.models.tiny:tiny_hunyuan15",
+    "tiny-wan": "sage_grpo.core.models.tiny:tiny_wan",
 }
 
 

@@ -22,16 +22,16 @@ WEIGHT_PRESETS: dict[str, dict[str, float]] = {
 
 # name -> "module:factory"; a factory is a class or a function returning a reward.
 BUILTIN_REWARDS = {
-    "videoalign": "core.rewards.videoalign:load_videoalign",
-    "tiny-videoalign": "core.rewards.videoalign:tiny_videoalign",
-    "clipscore": "core.rewards.clip:load_clipscore",
-    "pickscore": "core.rewards.clip:load_pickscore",
-    "tiny-clipscore": "core.rewards.clip:tiny_clipscore",
-    "tiny-pickscore": "core.rewards.clip:tiny_pickscore",
-    "brightness": "core.rewards.simple:Brightness",
-    "colorfulness": "core.rewards.simple:Colorfulness",
-    "temporal_smoothness": "core.rewards.simple:TemporalSmoothness",
-    "remote": "core.rewards.remote:RemoteReward",
+    "videoalign": "sage_grpo.core.rewards.videoalign:load_videoalign",
+    "tiny-videoalign": "sage_grpo.core.rewards.videoalign:tiny_videoalign",
+    "clipscore": "sage_grpo.core.rewards.clip:load_clipscore",
+    "pickscore": "sage_grpo.core.rewards.clip:load_pickscore",
+    "tiny-clipscore": "sage_grpo.core.rewards.clip:tiny_clipscore",
+    "tiny-pickscore": "sage_grpo.core.rewards.clip:tiny_pickscore",
+    "brightness": "sage_grpo.core.rewards.simple:Brightness",
+    "colorfulness": "sage_grpo.core.rewards.simple:Colorfulness",
+    "temporal_smoothness": "sage_grpo.core.rewards.simple:TemporalSmoothness",
+    "remote": "sage_grpo.core.rewards.remote:RemoteReward",
 }
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from core import distributed
-from core.export import export_policy, model_record
-from core.lora import LoraConfig, add_lora
-from core.models.tiny import tiny_hunyuan15
-from stages.update import UpdateConfig, build_engine
+from sage_grpo.core import distributed
+from sage_grpo.core.export import export_policy, model_record
+from sage_grpo.core.lora import LoraConfig, add_lora
+from sage_grpo.core.models.tiny import tiny_hunyuan15
+from sage_grpo.stages.update import UpdateConfig, build_engine
 
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)  # alpha != rank: the export must fold the scale
 

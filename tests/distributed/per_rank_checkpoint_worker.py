@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from core import distributed
-from core.safe_load import load_engine_checkpoint
-from core.storage import CheckpointConfig, FileEntry
+from sage_grpo.core import distributed
+from sage_grpo.core.safe_load import load_engine_checkpoint
+from sage_grpo.core.storage import CheckpointConfig, FileEntry
 
 sys.path.insert(0, str(Path(__file__).parent))
 from safe_load_worker import TAG, engine_for, trainable_weights  # noqa: E402

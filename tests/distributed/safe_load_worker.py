@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from core import distributed
-from core.errors import UserError
-from core.safe_load import data_only_torch_load, load_engine_checkpoint
-from stages.update import UpdateConfig, build_engine
+from sage_grpo.core import distributed
+from sage_grpo.core.errors import UserError
+from sage_grpo.core.safe_load import data_only_torch_load, load_engine_checkpoint
+from sage_grpo.stages.update import UpdateConfig, build_engine
 
 TAG = "engine"
 

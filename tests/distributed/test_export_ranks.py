@@ -9,9 +9,9 @@ import torch
 from diffusers import HunyuanVideo15Transformer3DModel
 from safetensors.torch import load_file
 
-from core.export import LORA_WEIGHT_NAME, read_export_manifest
-from core.lora import add_lora
-from core.models.tiny import tiny_hunyuan15
+from sage_grpo.core.export import LORA_WEIGHT_NAME, read_export_manifest
+from sage_grpo.core.lora import add_lora
+from sage_grpo.core.models.tiny import tiny_hunyuan15
 from tests.helpers import torchrun
 from tests.unit.test_export import output
 

@@ -1,5 +1,5 @@
-"""pipeline.launch around a real torchrun (two CPU workers): a worker's 75, or a stop signal relayed to the workers,
-comes out as the retry status; other statuses come out as themselves."""
+"""sage_grpo.pipeline.launch around a real torchrun (two CPU workers): a worker's 75, or a stop signal relayed to the
+workers, comes out as the retry status; other statuses come out as themselves."""
 
 import os
 import signal
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import RETRYABLE_EXIT_CODE
+from sage_grpo.core.errors import RETRYABLE_EXIT_CODE
 
 pytestmark = pytest.mark.distributed
 
@@ -40,7 +40,7 @@ def _launch(tmp_path: Path, *worker_args: str, source: str = WORKER, launcher_ar
     command = [
         sys.executable,
         "-m",
-        "pipeline.launch",
+        "sage_grpo.pipeline.launch",
         *launcher_args,
         "--standalone",
         "--nproc-per-node=2",
@@ -74,10 +74,10 @@ def test_a_stop_signal_reaches_the_workers_and_asks_for_a_restart(tmp_path):
     assert "SIGUSR1" in output
 
 
-# A rank ending through core.distributed.exit_launched, as `python -m pipeline.cli` does after its command.
+# A rank ending through core.distributed.exit_launched, as `python -m sage_grpo.pipeline.cli` does after its command.
 EXITING_WORKER = """
 import atexit, logging, sys
-from core import distributed
+from sage_grpo.core import distributed
 distributed.init()
 out = sys.argv[1]
 logging.basicConfig(filename=f"{out}/log{distributed.rank()}", level=logging.INFO)

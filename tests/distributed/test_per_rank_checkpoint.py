@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from core.storage import CheckpointConfig
+from sage_grpo.core.storage import CheckpointConfig
 from tests.helpers import torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

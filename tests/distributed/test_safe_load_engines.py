@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.storage import MANIFEST_NAME, CheckpointConfig
+from sage_grpo.core.storage import MANIFEST_NAME, CheckpointConfig
 from tests.unit.test_safe_load import plant
 
 pytestmark = [pytest.mark.distributed]

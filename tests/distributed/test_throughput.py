@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.update import RATIO_TOLERANCE
+from sage_grpo.stages.update import RATIO_TOLERANCE
 from tests.helpers import torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

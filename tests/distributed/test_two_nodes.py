@@ -29,7 +29,7 @@ def test_two_torchrun_nodes_train_on_different_prompts_and_agree_on_weights(tmp_
                 f"--rdzv-endpoint={endpoint}",
                 "--rdzv-id=two-nodes",
                 "-m",
-                "pipeline.cli",
+                "sage_grpo.pipeline.cli",
                 "run",
                 str(DEMO),
                 f"run.output_dir={tmp_path}",

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from core import distributed
-from core.grpo import group_advantages
-from core.lora import LoraConfig, add_lora
-from core.models.tiny import tiny_hunyuan15
-from stages.rollout import SDEConfig, generate
-from stages.update import TrustRegionConfig, UpdateConfig, Updater, build_engine
+from sage_grpo.core import distributed
+from sage_grpo.core.grpo import group_advantages
+from sage_grpo.core.lora import LoraConfig, add_lora
+from sage_grpo.core.models.tiny import tiny_hunyuan15
+from sage_grpo.stages.rollout import SDEConfig, generate
+from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater, build_engine
 
 PROMPTS = ["a red ball bouncing", "a blue car driving at night"]
 REWARDS = [0.1, 0.9, 0.7, 0.2]

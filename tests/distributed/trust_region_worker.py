@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from core import distributed
-from core.grpo import gaussian_mean_kl, group_advantages
-from core.models.tiny import tiny_hunyuan15
-from stages.anchor import Anchor
-from stages.rollout import SDEConfig, generate, score_transition
-from stages.update import TrustRegionConfig, UpdateConfig, Updater, accumulation_steps, build_engine
+from sage_grpo.core import distributed
+from sage_grpo.core.grpo import gaussian_mean_kl, group_advantages
+from sage_grpo.core.models.tiny import tiny_hunyuan15
+from sage_grpo.stages.anchor import Anchor
+from sage_grpo.stages.rollout import SDEConfig, generate, score_transition
+from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater, accumulation_steps, build_engine
 
 PROMPTS = ["a red ball bouncing", "a blue car driving at night"]
 GROUP = 4

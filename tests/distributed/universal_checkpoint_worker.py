@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from core import distributed
-from core.safe_load import convert_to_universal, data_only_torch_load, load_engine_checkpoint
+from sage_grpo.core import distributed
+from sage_grpo.core.safe_load import convert_to_universal, data_only_torch_load, load_engine_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from safe_load_worker import TAG, engine_for, trainable_weights  # noqa: E402

@@ -36,7 +36,7 @@ def environment(**extra: str) -> dict[str, str]:
 
 
 def cli_command(*arguments: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline.cli", *arguments]
+    return [sys.executable, "-m", "sage_grpo.pipeline.cli", *arguments]
 
 
 def _run_arguments(output_dir: Path, *overrides: str, flags: tuple[str, ...] = ()) -> list[str]:

@@ -7,7 +7,7 @@ import math
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.config import load_run_config
+from sage_grpo.pipeline.config import load_run_config
 from tests.integration.pipeline_runs import DEMO, sagegrpo
 
 pytestmark = [pytest.mark.integration]

@@ -5,8 +5,8 @@ import json
 import boto3
 import pytest
 
-from core.errors import UserError
-from stages.ingest import DataConfig, ingest
+from sage_grpo.core.errors import UserError
+from sage_grpo.stages.ingest import DataConfig, ingest
 
 pytestmark = pytest.mark.integration
 

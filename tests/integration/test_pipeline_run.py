@@ -89,7 +89,7 @@ def test_demo_two_processes_under_the_deepspeed_launcher(mlflow_server, tmp_path
         "--master_port",
         str(free_port()),
         "--module",
-        "pipeline.cli",
+        "sage_grpo.pipeline.cli",
         "run",
         str(DEMO),
         f"run.output_dir={tmp_path}",
@@ -140,7 +140,7 @@ def test_checkpoints_on_s3_commit_and_resume(s3_server, s3_bucket, tmp_path):
 
 def test_bad_config_is_one_line_and_exit_2(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "run", str(DEMO), "rollout.group_size=1"],
+        [sys.executable, "-m", "sage_grpo.pipeline.cli", "run", str(DEMO), "rollout.group_size=1"],
         cwd=REPO,
         env=environment(),
         capture_output=True,

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from core.errors import RETRYABLE_EXIT_CODE
+from sage_grpo.core.errors import RETRYABLE_EXIT_CODE
 from tests.integration.pipeline_runs import REPO, environment, run_sagegrpo, sagegrpo_command
 
 pytestmark = [pytest.mark.integration]

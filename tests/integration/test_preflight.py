@@ -17,7 +17,7 @@ def _preflight(tmp_path, *overrides):
     command = [
         sys.executable,
         "-m",
-        "pipeline.cli",
+        "sage_grpo.pipeline.cli",
         "preflight",
         str(DEMO),
         f"run.output_dir={tmp_path}",

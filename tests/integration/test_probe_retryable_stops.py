@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from core.errors import RETRYABLE_EXIT_CODE
+from sage_grpo.core.errors import RETRYABLE_EXIT_CODE
 from tests.integration.pipeline_runs import REPO, environment, run_sagegrpo, sagegrpo_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

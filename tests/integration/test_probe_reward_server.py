@@ -11,10 +11,10 @@ import urllib.request
 
 import pytest
 
-from core.rewards import RewardSpec
-from core.rewards.base import RewardUnavailable
-from core.rewards.remote import RemoteReward
-from stages.score import Scorer
+from sage_grpo.core.rewards import RewardSpec
+from sage_grpo.core.rewards.base import RewardUnavailable
+from sage_grpo.core.rewards.remote import RemoteReward
+from sage_grpo.stages.score import Scorer
 from tests.integration.test_reward_server import (
     GOOD_VIDEO,
     PROMPTS,

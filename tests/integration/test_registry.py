@@ -20,11 +20,11 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from core.errors import UserError
-from core.export import LORA_WEIGHT_NAME, export_full, export_lora, model_record
-from core.lora import LoraConfig, add_lora
-from core.models.tiny import tiny_hunyuan15_pipeline, tiny_wan
-from core.registry import (
+from sage_grpo.core.errors import UserError
+from sage_grpo.core.export import LORA_WEIGHT_NAME, export_full, export_lora, model_record
+from sage_grpo.core.lora import LoraConfig, add_lora
+from sage_grpo.core.models.tiny import tiny_hunyuan15_pipeline, tiny_wan
+from sage_grpo.core.registry import (
     CHALLENGER,
     CHAMPION,
     DECISION_TAG,
@@ -338,7 +338,7 @@ def test_the_gate_compares_only_versions_scored_on_the_same_evaluation_set(clien
 def test_a_set_below_the_minimum_is_refused_in_one_line_and_nothing_is_promoted(
     client, model_name, trained, run_id, server, capsys
 ):
-    from pipeline.cli import build_parser
+    from sage_grpo.pipeline.cli import build_parser
 
     small = EvalSet("ab" * 16, 2, "prompts.txt (held-out split)")
     version = register(client, model_name, trained, run_id, step=1, eval_set=small, **{"eval/reward": 0.9})
@@ -379,7 +379,7 @@ def test_dry_run_changes_nothing(client, model_name, trained, run_id):
 def test_promote_cli_prints_the_decision_and_reports_unknown_models_as_user_errors(
     client, model_name, trained, run_id, server, capsys
 ):
-    from pipeline.cli import build_parser
+    from sage_grpo.pipeline.cli import build_parser
 
     parser = build_parser()
     run = lambda *argv: (args := parser.parse_args(["promote", "--tracking-uri", server.url, *argv])).handler(args)
@@ -401,7 +401,7 @@ def test_promote_cli_takes_the_gate_and_tracking_server_from_a_run_config(
 ):
     import yaml
 
-    from pipeline.cli import build_parser
+    from sage_grpo.pipeline.cli import build_parser
 
     config = tmp_path / "run.yaml"
     config.write_text(
@@ -438,7 +438,7 @@ import hashlib, json, sys
 import mlflow.pyfunc
 policy = mlflow.pyfunc.load_model(sys.argv[1])
 video = policy.predict([sys.argv[2]], params=json.loads(sys.argv[3]))
-import core
+from sage_grpo import core
 print(json.dumps({"core": core.__file__, "sha256": hashlib.sha256(video.tobytes()).hexdigest()}))
 """
 
@@ -450,7 +450,7 @@ def test_a_registered_model_carries_its_code_and_pinned_requirements_and_loads_i
     builds a virtualenv from them, too slow for this suite; the fresh interpreter stands in for the server)."""
     import mlflow.artifacts
 
-    from core.registry import serving_requirements
+    from sage_grpo.core.registry import serving_requirements
 
     version = register(client, model_name, trained, run_id, step=30)
     source = client.get_model_version_download_uri(model_name, version.version)
@@ -462,7 +462,7 @@ def test_a_registered_model_carries_its_code_and_pinned_requirements_and_loads_i
     assert pinned["torch"] == torch.__version__.split("+")[0] and {"diffusers", "peft", "deepspeed"} <= set(pinned)
     assert set(serving_requirements()) <= set(requirements)
     assert "mlflow" in pinned  # MLflow adds itself
-    code = model_dir / "code" / "core"
+    code = model_dir / "code" / "sage_grpo" / "core"
     assert (code / "registry.py").read_text() == (Path(__file__).parents[2] / "core" / "registry.py").read_text()
     assert not list(code.rglob("__pycache__"))
 

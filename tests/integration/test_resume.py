@@ -17,7 +17,7 @@ import torch
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
-from core.errors import RETRYABLE_EXIT_CODE
+from sage_grpo.core.errors import RETRYABLE_EXIT_CODE
 from tests.integration.pipeline_runs import (
     DEMO,
     REPO,

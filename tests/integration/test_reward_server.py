@@ -16,14 +16,14 @@ import pytest
 import torch
 import yaml
 
-from core.errors import UserError
-from core.rewards import RewardSpec, VideoBatch
-from core.rewards.base import RewardUnavailable
-from core.rewards.remote import RemoteReward
-from core.rewards.server import _Job, _merged_columns
-from core.rewards.simple import Brightness
-from core.rewards.wire import ScoringRequest, encode_request
-from stages.score import Scorer
+from sage_grpo.core.errors import UserError
+from sage_grpo.core.rewards import RewardSpec, VideoBatch
+from sage_grpo.core.rewards.base import RewardUnavailable
+from sage_grpo.core.rewards.remote import RemoteReward
+from sage_grpo.core.rewards.server import _Job, _merged_columns
+from sage_grpo.core.rewards.simple import Brightness
+from sage_grpo.core.rewards.wire import ScoringRequest, encode_request
+from sage_grpo.stages.score import Scorer
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +45,7 @@ def user_rewards_importable(monkeypatch):
 
 # The server as ``sagegrpo serve-reward`` runs it, with ServerSettings given directly (the bounds are small here).
 LAUNCH = (
-    "import json, logging, sys; from core.rewards.server import ServerSettings, load_reward_specs, serve; "
+    "import json, logging, sys; from sage_grpo.core.rewards.server import ServerSettings, load_reward_specs, serve; "
     "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s'); "
     "serve(load_reward_specs(sys.argv[1]), '127.0.0.1', 0, 'cpu', ServerSettings(**json.loads(sys.argv[2])))"
 )
@@ -58,7 +58,17 @@ class Served:
         config = tmp_path / "rewards.yaml"
         config.write_text(yaml.safe_dump({"rewards": rewards}))
         environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(FIXTURES)]), **(env or {})}
-        cli = [sys.executable, "-m", "pipeline.cli", "serve-reward", str(config), "--port", "0", "--device", "cpu"]
+        cli = [
+            sys.executable,
+            "-m",
+            "sage_grpo.pipeline.cli",
+            "serve-reward",
+            str(config),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+        ]
         command = [sys.executable, "-c", LAUNCH, str(config), json.dumps(settings)] if settings or env else cli
         self._log_path = tmp_path / "server.log"
         with self._log_path.open("w") as log:
@@ -182,7 +192,7 @@ def test_bad_config_exits_2_with_one_line(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text(yaml.safe_dump({"rewards": [{"name": "brightness", "wieghts": {"x": 1}}]}))
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "serve-reward", str(config)],
+        [sys.executable, "-m", "sage_grpo.pipeline.cli", "serve-reward", str(config)],
         cwd=ROOT,
         capture_output=True,
         text=True,

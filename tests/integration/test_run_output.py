@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from core.schedules import lr_multiplier
+from sage_grpo.core.schedules import lr_multiplier
 from tests.integration.pipeline_runs import REPO, environment, metric_history, only_run_id, sagegrpo_command
 
 pytestmark = pytest.mark.integration
@@ -30,7 +30,7 @@ def _run(tmp_path, *flags: str, **env: str) -> tuple[str, str]:
         f"update.lr_warmup_steps={WARMUP}",
         f"update.lr_decay_steps={DECAY}",
     )
-    command[3:3] = flags  # `python -m pipeline.cli [FLAGS] run ...`
+    command[3:3] = flags  # `python -m sage_grpo.pipeline.cli [FLAGS] run ...`
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with stdout.open("w") as out, stderr.open("w") as err:
         code = subprocess.run(command, cwd=REPO, env=environment(**env), stdout=out, stderr=err, timeout=600).returncode

@@ -12,8 +12,8 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from core.tracking import Tracker, TrackingConfig, environment_tags
-from stages.ingest import IngestReport, Prompt, PromptSet
+from sage_grpo.core.tracking import Tracker, TrackingConfig, environment_tags
+from sage_grpo.stages.ingest import IngestReport, Prompt, PromptSet
 
 pytestmark = pytest.mark.integration
 
@@ -152,7 +152,7 @@ def test_images_by_step_and_an_appended_table(mlflow_server, tmp_path):
 
 
 def test_eval_samples_reach_mlflow_as_a_frame_series_and_a_table(mlflow_server, tmp_path):
-    from stages.evaluate import EVAL_TABLE, Evaluation, log_samples
+    from sage_grpo.stages.evaluate import EVAL_TABLE, Evaluation, log_samples
 
     tracker = tracker_for(mlflow_server, tmp_path / "run", system_metrics=False)
     run_id = tracker.start({"seed": 1})

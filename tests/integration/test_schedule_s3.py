@@ -7,8 +7,8 @@ import sys
 import boto3
 import pytest
 
-from core.errors import RETRYABLE_EXIT_CODE
-from pipeline import schedule
+from sage_grpo.core.errors import RETRYABLE_EXIT_CODE
+from sage_grpo.pipeline import schedule
 from tests.helpers import free_port
 from tests.integration.pipeline_runs import DEMO, environment
 
@@ -29,9 +29,10 @@ def test_s3_store_lists_reads_and_writes_markers(s3_server, s3_bucket, monkeypat
 
 
 def _schedule(cwd, *arguments: str) -> subprocess.CompletedProcess:
-    """``python -m pipeline.cli schedule`` as cron starts it: the venv is not on PATH, only its interpreter is named."""
+    """``python -m sage_grpo.pipeline.cli schedule`` as cron starts it: the venv is not on PATH, only its
+    interpreter is named."""
     env = environment(PATH="/usr/bin:/bin")
-    command = [sys.executable, "-m", "pipeline.cli", "schedule", str(DEMO), *arguments]
+    command = [sys.executable, "-m", "sage_grpo.pipeline.cli", "schedule", str(DEMO), *arguments]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -58,8 +59,8 @@ def test_the_schedule_reaches_the_checkpoint_root_with_the_runs_s3_settings(s3_s
     lines = result.stdout.splitlines()
     assert lines[0] == "schedule: resume: sage-2026-12-01 is unfinished: train, promote left"
     train, promote = (line.split(": ", 2)[2].split() for line in lines[1:])
-    assert train[:3] == [sys.executable, "-m", "pipeline.launch"]
-    assert promote[:4] == [sys.executable, "-m", "pipeline.cli", "promote"]
+    assert train[:3] == [sys.executable, "-m", "sage_grpo.pipeline.launch"]
+    assert promote[:4] == [sys.executable, "-m", "sage_grpo.pipeline.cli", "promote"]
     # Both steps get the user's overrides (the endpoint and the tracking server among them).
     for command in (train, promote):
         assert {f"checkpoint.endpoint_url={s3_server}", "tracking.tracking_uri=http://127.0.0.1:9"} <= set(command)

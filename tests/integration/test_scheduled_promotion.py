@@ -1,5 +1,5 @@
-"""The scheduled job end to end on the tiny model, as cron runs it: ``python -m pipeline.cli schedule`` with a PATH
-that lacks the venv, the tracking server given as an override, against a real ``mlflow server`` and a local
+"""The scheduled job end to end on the tiny model, as cron runs it: ``python -m sage_grpo.pipeline.cli schedule`` with a
+PATH that lacks the venv, the tracking server given as an override, against a real ``mlflow server`` and a local
 checkpoint root, on two days. Each day trains a run on that day's prompt set, the run
 registers its policy as the challenger, and the promote step gates it with the config's registry settings.
 
@@ -20,7 +20,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from core.registry import CHALLENGER, CHAMPION, DECISION_TAG, load_registered_policy
+from sage_grpo.core.registry import CHALLENGER, CHAMPION, DECISION_TAG, load_registered_policy
 from tests.integration.pipeline_runs import DEMO, REPO, environment
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -59,7 +59,7 @@ def scheduled(tmp_path, mlflow_server):
         command = [
             sys.executable,
             "-m",
-            "pipeline.cli",
+            "sage_grpo.pipeline.cli",
             "schedule",
             str(config_path),
             f"tracking.tracking_uri={mlflow_server.url}",  # train and promote alike must use it

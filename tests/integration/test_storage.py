@@ -15,8 +15,15 @@ from pathlib import Path
 import boto3
 import pytest
 
-from core.errors import StoreUnavailable
-from core.storage import MANIFEST_NAME, CheckpointConfig, CheckpointError, CheckpointStore, MiB, RootClaimedError
+from sage_grpo.core.errors import StoreUnavailable
+from sage_grpo.core.storage import (
+    MANIFEST_NAME,
+    CheckpointConfig,
+    CheckpointError,
+    CheckpointStore,
+    MiB,
+    RootClaimedError,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -244,12 +251,12 @@ def test_endpoint_down_longer_than_the_retries_leaves_the_step_uncommitted(
     commit_step(store, tmp_path, 1)
     upload_first_file_then(store, monkeypatch, server.stop)
 
-    with caplog.at_level(logging.DEBUG, logger="core"), pytest.raises(StoreUnavailable) as unavailable:
+    with caplog.at_level(logging.DEBUG, logger="sage_grpo.core"), pytest.raises(StoreUnavailable) as unavailable:
         commit_step(store, tmp_path, 2)
     server.start()
 
     # Bounded: after botocore's two attempts, our backoffs together stay within outage_retry_s.
-    backoffs = [r.args[-1] for r in caplog.records if r.name.startswith("core") and "retrying in" in r.msg]
+    backoffs = [r.args[-1] for r in caplog.records if r.name.startswith("sage_grpo.core") and "retrying in" in r.msg]
     assert backoffs and sum(backoffs) <= 2.0
     message = str(unavailable.value)
     assert "\n" not in message and "TOPSECRET" not in message and "AKIAKEY" not in message

@@ -9,7 +9,7 @@ import matplotlib
 import pytest
 from mlflow import MlflowClient
 
-from core.tracking import BUFFER_FILE, Tracker, TrackingConfig, masked_config, metric_name_problem
+from sage_grpo.core.tracking import BUFFER_FILE, Tracker, TrackingConfig, masked_config, metric_name_problem
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 (after choosing the headless backend)
@@ -94,7 +94,7 @@ def test_resume_by_run_id_appends_to_the_same_run(mlflow_server, tmp_path, caplo
 
 
 def test_outage_buffers_metrics_and_flushes_them_when_the_server_returns(mlflow_server, tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="core.tracking")
+    caplog.set_level(logging.WARNING, logger="sage_grpo.core.tracking")
     running = tracker_for(mlflow_server, tmp_path / "running")
     run_id = running.start({"seed": 1})
     running.log_metrics({"loss": 3.0}, step=0)
@@ -123,7 +123,7 @@ def test_outage_buffers_metrics_and_flushes_them_when_the_server_returns(mlflow_
 
 
 def test_only_rank_zero_tracks(monkeypatch, tmp_path):
-    from core import distributed
+    from sage_grpo.core import distributed
 
     monkeypatch.setattr(distributed, "is_main", lambda: False)  # rank 1, whatever process group this process holds
     tracker = Tracker(TrackingConfig(tracking_uri="http://127.0.0.1:9"), tmp_path / "run")
@@ -149,7 +149,7 @@ def test_embedded_default_keeps_database_and_artifacts_in_the_run_dir(tmp_path, 
 
 
 def test_a_metric_name_mlflow_rejects_is_dropped_once_and_the_others_still_log(mlflow_server, tmp_path, caplog):
-    caplog.set_level(logging.ERROR, logger="core.tracking")
+    caplog.set_level(logging.ERROR, logger="sage_grpo.core.tracking")
     tracker = tracker_for(mlflow_server, tmp_path / "run")
     run_id = tracker.start({"seed": 1})
     for step in range(3):  # a reward dimension MLflow refuses ("a//b" is not a normalised path) next to good ones

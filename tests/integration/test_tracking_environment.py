@@ -13,8 +13,8 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from core.registry import CHALLENGER, CHAMPION, DEFAULT_MIN_EVAL_PROMPTS, METRIC_TAG_PREFIX, EvalSet
-from core.tracking import Tracker, TrackingConfig
+from sage_grpo.core.registry import CHALLENGER, CHAMPION, DEFAULT_MIN_EVAL_PROMPTS, METRIC_TAG_PREFIX, EvalSet
+from sage_grpo.core.tracking import Tracker, TrackingConfig
 from tests.integration.pipeline_runs import environment
 
 pytestmark = pytest.mark.integration
@@ -78,7 +78,7 @@ def _challenger_on(server_url: str) -> str:
 
 
 def _promote(cwd, *arguments: str, **env: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "pipeline.cli", "promote", *arguments]
+    command = [sys.executable, "-m", "sage_grpo.pipeline.cli", "promote", *arguments]
     env = {k: v for k, v in environment().items() if not k.startswith("MLFLOW_")} | env
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from core.storage import load_torch
-from pipeline.config import load_run_config
-from stages.ingest import PromptSampler, ingest
+from sage_grpo.core.storage import load_torch
+from sage_grpo.pipeline.config import load_run_config
+from sage_grpo.stages.ingest import PromptSampler, ingest
 from tests.helpers import torchrun
 from tests.integration.pipeline_runs import DEMO, SHORT, metric_history, only_run_id
 
@@ -35,7 +35,7 @@ def _run(output: Path, ranks: int, iterations: int, resume: bool) -> subprocess.
     return torchrun(
         ranks,
         "-m",
-        "pipeline.cli",
+        "sage_grpo.pipeline.cli",
         "run",
         str(DEMO),
         f"run.output_dir={output}",

@@ -18,7 +18,7 @@ from tests.integration.pipeline_runs import REPO
 
 pytestmark = pytest.mark.integration
 
-SOURCE = ("pyproject.toml", "README.md", "core", "stages", "pipeline", "deepspeed_configs")
+SOURCE = ("pyproject.toml", "README.md", "sage_grpo", "core", "stages", "pipeline", "deepspeed_configs")
 
 
 def _run(*command, **kwargs) -> subprocess.CompletedProcess:
@@ -55,7 +55,9 @@ def test_an_installed_wheel_resolves_the_shipped_deepspeed_configs_from_another_
     result = _run(venv / "bin" / "sagegrpo", "config", "run.yaml", cwd=elsewhere, env=env)
     assert yaml.safe_load(result.stdout)["deepspeed"]["config"] == "zero3"
 
-    where = _run(python, "-c", "import stages.update as u; print(u.DEEPSPEED_CONFIGS)", cwd=elsewhere, env=env)
+    where = _run(
+        python, "-c", "import sage_grpo.stages.update as u; print(u.DEEPSPEED_CONFIGS)", cwd=elsewhere, env=env
+    )
     assert Path(where.stdout.strip()).is_relative_to(site_packages)
     assert sorted(path.name for path in Path(where.stdout.strip()).glob("*.json")) == [
         "zero2.json",

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from stages.anchor import Anchor
-from stages.update import UpdateConfig, accumulation_steps, deepspeed_config
+from sage_grpo.stages.anchor import Anchor
+from sage_grpo.stages.update import UpdateConfig, accumulation_steps, deepspeed_config
 
 pytestmark = pytest.mark.unit
 
@@ -157,9 +157,9 @@ def test_a_float32_ema_of_bf16_weights_moves_and_swaps_in_without_rounding_itsel
 
 
 def test_zero3_leaves_are_the_outermost_modules_of_the_named_classes():
-    from core.errors import UserError
-    from core.models.tiny import tiny_hunyuan15
-    from stages.update import zero3_leaves
+    from sage_grpo.core.errors import UserError
+    from sage_grpo.core.models.tiny import tiny_hunyuan15
+    from sage_grpo.stages.update import zero3_leaves
 
     transformer = tiny_hunyuan15(seed=0).transformer
     auto = [type(m).__name__ for m in zero3_leaves(transformer, "auto")]

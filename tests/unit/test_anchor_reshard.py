@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.anchor import Anchor
+from sage_grpo.stages.anchor import Anchor
 
 pytestmark = pytest.mark.unit
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.errors import UserError
-from pipeline.check_reward import VideoSize, check_reward, parse_size, synthetic_videos
-from stages.score import RewardFailure
+from sage_grpo.core.errors import UserError
+from sage_grpo.pipeline.check_reward import VideoSize, check_reward, parse_size, synthetic_videos
+from sage_grpo.stages.score import RewardFailure
 
 pytestmark = pytest.mark.unit
 

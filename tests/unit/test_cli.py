@@ -7,8 +7,8 @@ import sys
 import pytest
 import yaml
 
-from core.errors import UserError
-from pipeline import cli
+from sage_grpo.core.errors import UserError
+from sage_grpo.pipeline import cli
 
 pytestmark = pytest.mark.unit
 
@@ -24,7 +24,7 @@ def test_version_names_the_installed_distribution(capsys):
 
 def test_help_imports_neither_torch_nor_mlflow():
     probe = (
-        "import sys; from pipeline import cli; cli.build_parser(); print(sorted({'torch', 'mlflow', "
+        "import sys; from sage_grpo.pipeline import cli; cli.build_parser(); print(sorted({'torch', 'mlflow', "
         "'deepspeed'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
@@ -96,9 +96,9 @@ def test_list_index_overrides_reach_into_lists(capsys):
 
 
 def test_the_summary_never_prints_a_tracking_password(tmp_path):
-    from pipeline.commands import _summary_text
-    from pipeline.config import load_run_config
-    from pipeline.recipe import RunSummary
+    from sage_grpo.pipeline.commands import _summary_text
+    from sage_grpo.pipeline.config import load_run_config
+    from sage_grpo.pipeline.recipe import RunSummary
 
     config = load_run_config(DEMO)
     summary = RunSummary(
@@ -123,7 +123,7 @@ def test_the_summary_never_prints_a_tracking_password(tmp_path):
     ],
 )
 def test_schedule_takes_the_config_like_the_other_commands(monkeypatch, argv):
-    from pipeline import schedule
+    from sage_grpo.pipeline import schedule
 
     seen = []
     monkeypatch.setattr(schedule, "run_schedule", lambda options: seen.append(options) or 0)
@@ -135,7 +135,7 @@ def test_the_program_returns_the_commands_status_in_a_single_process():
     # No process group (config never starts one): a normal return, every atexit hook to come. Its own process: a
     # pytest worker may hold a process group an earlier test started, and there the program would end the worker.
     probe = (
-        "import atexit, sys; from pipeline import cli; atexit.register(print, 'atexit hook ran'); "
+        "import atexit, sys; from sage_grpo.pipeline import cli; atexit.register(print, 'atexit hook ran'); "
         f"sys.argv = ['sagegrpo', 'config', {DEMO!r}, 'sde.steps=0']; sys.exit(cli.program())"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)

@@ -10,7 +10,9 @@ pytestmark = pytest.mark.unit
 
 
 def _sagegrpo(*args):
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "sage_grpo.pipeline.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_json_output_has_every_step_and_equalized_scales(tmp_path):
@@ -55,7 +57,7 @@ def test_bad_values_give_one_line_and_exit_2(args):
 
 def test_output_piped_into_a_reader_that_stops_early_is_not_a_traceback():
     # `sagegrpo inspect-sde --json | head -c 100`: enough output to outlast the reader, which closes the pipe.
-    command = [sys.executable, "-m", "pipeline.cli", "inspect-sde", "--steps", "3000", "--json"]
+    command = [sys.executable, "-m", "sage_grpo.pipeline.cli", "inspect-sde", "--steps", "3000", "--json"]
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as child:
         child.stdout.read(100)
         child.stdout.close()

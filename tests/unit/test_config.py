@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import UserError
-from pipeline.config import load_run_config
+from sage_grpo.core.errors import UserError
+from sage_grpo.pipeline.config import load_run_config
 
 pytestmark = pytest.mark.unit
 
@@ -83,7 +83,7 @@ def test_cli_rejects_before_loading_any_model():
         [
             sys.executable,
             "-m",
-            "pipeline.cli",
+            "sage_grpo.pipeline.cli",
             "run",
             str(REPO / "configs" / "demo.yaml"),
             "trust_region.strategy=sometimes",
@@ -103,7 +103,7 @@ def test_missing_config_file_is_a_user_error(tmp_path):
 
 
 def test_the_saved_config_masks_secrets_but_keeps_the_rest():
-    from core.tracking import masked_config
+    from sage_grpo.core.tracking import masked_config
 
     config = load_run_config(
         REPO / "configs" / "demo.yaml",

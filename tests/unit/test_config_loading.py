@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from core.config_loading import MAX_EXPANDED_SIZE, parse_override, read_yaml
-from core.errors import UserError
+from sage_grpo.core.config_loading import MAX_EXPANDED_SIZE, parse_override, read_yaml
+from sage_grpo.core.errors import UserError
 
 pytestmark = pytest.mark.unit
 

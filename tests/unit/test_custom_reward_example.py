@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from core.config_loading import read_yaml
-from core.rewards import RewardSpec, VideoBatch
-from pipeline.check_reward import VideoSize, check_reward, synthetic_videos
-from stages.ingest import DataConfig, ingest
-from stages.score import Scorer
+from sage_grpo.core.config_loading import read_yaml
+from sage_grpo.core.rewards import RewardSpec, VideoBatch
+from sage_grpo.pipeline.check_reward import VideoSize, check_reward, synthetic_videos
+from sage_grpo.stages.ingest import DataConfig, ingest
+from sage_grpo.stages.score import Scorer
 
 pytestmark = pytest.mark.unit
 

@@ -32,7 +32,7 @@ def _imported_top_level() -> set[str]:
                     names |= {alias.name.split(".")[0] for alias in node.names}
                 elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                     names.add(node.module.split(".")[0])
-    return names - FIRST_PARTY - set(sys.stdlib_module_names)
+    return names - {"sage_grpo"} - set(sys.stdlib_module_names)
 
 
 def test_every_imported_package_is_declared():

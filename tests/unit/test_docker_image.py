@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from core.tracking import IMAGE_ENV
+from sage_grpo.core.tracking import IMAGE_ENV
 
 pytestmark = pytest.mark.unit
 

@@ -3,9 +3,9 @@ more than 5x across the schedule, and within a small factor once each step is we
 
 import pytest
 
-from core.models.tiny import tiny_hunyuan15
-from stages.rollout import SDEConfig, generate
-from stages.update import timestep_gradient_norms
+from sage_grpo.core.models.tiny import tiny_hunyuan15
+from sage_grpo.stages.rollout import SDEConfig, generate
+from sage_grpo.stages.update import timestep_gradient_norms
 
 pytestmark = pytest.mark.unit
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 from PIL import Image
 
-from core import sde
-from core.models import build_adapter
-from core.rewards.registry import RewardSpec
-from stages import evaluate as evaluation
-from stages.rollout import SDEConfig
-from stages.score import Scorer
+from sage_grpo.core import sde
+from sage_grpo.core.models import build_adapter
+from sage_grpo.core.rewards.registry import RewardSpec
+from sage_grpo.stages import evaluate as evaluation
+from sage_grpo.stages.rollout import SDEConfig
+from sage_grpo.stages.score import Scorer
 
 pytestmark = pytest.mark.unit
 

@@ -12,8 +12,8 @@ from diffusers import HunyuanVideo15Transformer3DModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-import core.export
-from core.export import (
+from sage_grpo import core
+from sage_grpo.core.export import (
     EXPORT_MANIFEST,
     LORA_WEIGHT_NAME,
     export_full,
@@ -22,8 +22,8 @@ from core.export import (
     model_record,
     read_export_manifest,
 )
-from core.lora import LoraConfig, add_lora
-from core.models.tiny import tiny_hunyuan15_pipeline
+from sage_grpo.core.lora import LoraConfig, add_lora
+from sage_grpo.core.models.tiny import tiny_hunyuan15_pipeline
 
 pytestmark = pytest.mark.unit
 

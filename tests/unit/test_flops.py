@@ -2,9 +2,9 @@
 
 import pytest
 
-from core import flops
-from core.models.tiny import tiny_hunyuan15
-from stages.update import model_forward_flops
+from sage_grpo.core import flops
+from sage_grpo.core.models.tiny import tiny_hunyuan15
+from sage_grpo.stages.update import model_forward_flops
 
 pytestmark = pytest.mark.unit
 

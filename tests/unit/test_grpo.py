@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from core.grpo import (
+from sage_grpo.core.grpo import (
     AdaptiveKLController,
     GradientRatioController,
     KLFeedback,

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from core.errors import UserError
-from stages.ingest import DataConfig, EmbeddingCache, PromptSampler, in_eval_split, ingest
+from sage_grpo.core.errors import UserError
+from sage_grpo.stages.ingest import DataConfig, EmbeddingCache, PromptSampler, in_eval_split, ingest
 
 pytestmark = pytest.mark.unit
 

@@ -10,11 +10,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from core.errors import RETRYABLE_EXIT_CODE, UserError
-from core.rewards.server import load_reward_specs
-from core.tracking import IMAGE_ENV
-from pipeline import launch
-from pipeline.config import load_run_config
+from sage_grpo.core.errors import RETRYABLE_EXIT_CODE, UserError
+from sage_grpo.core.rewards.server import load_reward_specs
+from sage_grpo.core.tracking import IMAGE_ENV
+from sage_grpo.pipeline import launch
+from sage_grpo.pipeline.config import load_run_config
 
 pytestmark = pytest.mark.unit
 
@@ -283,7 +283,7 @@ def test_training_job_resumes_and_restarts_on_a_checkpointed_stop(overlay):
     assert all(container == containers[0] for container in containers)  # master and workers run the same thing
     container = containers[0]
     assert container["name"] == "pytorch"
-    assert container["command"] == ["python", "-m", "pipeline.launch"]
+    assert container["command"] == ["python", "-m", "sage_grpo.pipeline.launch"]
     args = container["args"]
     assert args[args.index("--resume") + 1] == "auto"
     assert args[args.index("run") + 1] == f"{RUN_CONFIG}/run.yaml"

@@ -1,12 +1,13 @@
-"""pipeline.launch: torchrun's outcome as a status schedulers act on (real torchrun runs: tests/distributed)."""
+"""sage_grpo.pipeline.launch: torchrun's outcome as a status schedulers act on (real torchrun runs:
+tests/distributed)."""
 
 import re
 from pathlib import Path
 
 import pytest
 
-from core.errors import RETRYABLE_EXIT_CODE, UserError
-from pipeline import launch
+from sage_grpo.core.errors import RETRYABLE_EXIT_CODE, UserError
+from sage_grpo.pipeline import launch
 
 pytestmark = pytest.mark.unit
 

@@ -11,14 +11,19 @@ FLOORS = ["core", "stages", "pipeline"]  # bottom to top
 pytestmark = pytest.mark.unit
 
 
-def _imported_packages(path: Path) -> set[str]:
+def _imported_modules(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
+            names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            names.add(node.module)
     return names
+
+
+def _imported_packages(path: Path) -> set[str]:
+    """The floors a module imports (``sage_grpo.stages.update`` -> ``stages``)."""
+    return {name.split(".")[1] for name in _imported_modules(path) if name.startswith("sage_grpo.") and "." in name}
 
 
 @pytest.mark.parametrize("package", FLOORS)
@@ -30,6 +35,16 @@ def test_imports_only_point_down(package):
         if _imported_packages(path) & above
     }
     assert offenders == {}, f"{package}/ imports a higher floor"
+
+
+def test_floors_are_imported_only_under_the_installed_name():
+    """A bare ``import core`` would work in a checkout and break beside another distribution's ``core``."""
+    bare = {
+        str(path.relative_to(ROOT)): sorted(name for name in _imported_modules(path) if name.split(".")[0] in FLOORS)
+        for folder in [*FLOORS, "benchmarks", "tests"]
+        for path in (ROOT / folder).rglob("*.py")
+    }
+    assert {path: names for path, names in bare.items() if names} == {}
 
 
 def test_command_lines_are_parsed_only_in_the_cli_and_the_launcher():

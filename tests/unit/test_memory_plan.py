@@ -5,10 +5,10 @@ import dataclasses
 
 import pytest
 
-from core.errors import UserError
-from core.lora import LoraConfig
-from pipeline import memory_plan
-from stages.rollout import SDEConfig
+from sage_grpo.core.errors import UserError
+from sage_grpo.core.lora import LoraConfig
+from sage_grpo.pipeline import memory_plan
+from sage_grpo.stages.rollout import SDEConfig
 
 pytestmark = pytest.mark.unit
 
@@ -223,7 +223,7 @@ def _without_rollout(plan) -> int:
 
 
 def test_plan_command_is_registered_with_the_documented_flags(capsys, tmp_path, counted):
-    from pipeline.cli import parse_args
+    from sage_grpo.pipeline.cli import parse_args
 
     config = tmp_path / "run.yaml"
     config.write_text(

@@ -5,11 +5,11 @@ import copy
 import pytest
 import torch
 
-from core.errors import UserError
-from core.models import PromptEmbeddings, build_adapter
-from core.models.hunyuan15 import HunyuanVideo15Adapter
-from core.models.tiny import tiny_hunyuan15, tiny_hunyuan15_pipeline, tiny_wan, tiny_wan_pipeline
-from core.models.wan import WanAdapter
+from sage_grpo.core.errors import UserError
+from sage_grpo.core.models import PromptEmbeddings, build_adapter
+from sage_grpo.core.models.hunyuan15 import HunyuanVideo15Adapter
+from sage_grpo.core.models.tiny import tiny_hunyuan15, tiny_hunyuan15_pipeline, tiny_wan, tiny_wan_pipeline
+from sage_grpo.core.models.wan import WanAdapter
 
 pytestmark = pytest.mark.unit
 
@@ -67,7 +67,7 @@ def test_same_seed_same_weights_and_different_seed_different_weights():
 
 
 def test_registry_accepts_a_dotted_factory_path_and_rejects_unknown_names():
-    adapter = build_adapter("core.models.tiny:tiny_wan", seed=1)
+    adapter = build_adapter("sage_grpo.core.models.tiny:tiny_wan", seed=1)
     assert isinstance(adapter, WanAdapter)
     with pytest.raises(UserError, match="unknown model"):
         build_adapter("no-such-model")

@@ -14,9 +14,9 @@ import time
 import pytest
 from torch.utils import file_baton
 
-from core import ops_cache
-from core.errors import UserError
-from core.ops_cache import (
+from sage_grpo.core import ops_cache
+from sage_grpo.core.errors import UserError
+from sage_grpo.core.ops_cache import (
     CPU_OPS,
     build_rules,
     clear_stale_locks,
@@ -84,7 +84,7 @@ def test_extensions_root_follows_torch_extensions_dir(extensions):
 def test_a_stale_lock_hangs_torch_and_is_taken_over_with_a_warning(extensions, caplog):
     lock = op_folder(extensions, age_s=3600)
     assert baton_waits(lock)  # the bug: a later run would wait here forever
-    with caplog.at_level(logging.WARNING, logger="core.ops_cache"):
+    with caplog.at_level(logging.WARNING, logger="sage_grpo.core.ops_cache"):
         assert clear_stale_locks(stale_after_s=300) == [lock]
     assert not lock.exists() and not baton_waits(lock)
     assert "removed the stale DeepSpeed op lock" in caplog.text and str(lock) in caplog.text
@@ -94,7 +94,7 @@ def test_a_lock_held_by_a_live_build_here_is_waited_for_not_removed(extensions, 
     lock = op_folder(extensions)
     holder = hold(lock, seconds=1.5)
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="core.ops_cache"):
+    with caplog.at_level(logging.WARNING, logger="sage_grpo.core.ops_cache"):
         assert clear_stale_locks(stale_after_s=300, poll_s=0.1) == []
     assert time.monotonic() - started >= 1.0 and holder.wait(timeout=10) == 0  # the holder removed its own lock
     assert f"pid {holder.pid}" in caplog.text and caplog.text.count("waiting for the DeepSpeed op build") == 1
@@ -118,7 +118,7 @@ def test_a_recent_lock_without_a_holder_here_is_taken_over_once_quiet(extensions
     # Another machine sharing the cache may be building: wait until the folder has been quiet for the bound.
     lock = op_folder(extensions)
     last_write = lock.parent.stat().st_mtime
-    with caplog.at_level(logging.WARNING, logger="core.ops_cache"):
+    with caplog.at_level(logging.WARNING, logger="sage_grpo.core.ops_cache"):
         assert clear_stale_locks(stale_after_s=1.0, poll_s=0.1) == [lock]
     assert "waiting for the DeepSpeed op build" in caplog.text and "another machine" in caplog.text
     assert time.time() - last_write > 1.0  # not taken over before the folder had been quiet for the bound

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.errors import UserError
-from core.models.tiny import tiny_hunyuan15
-from core.rewards import RewardSpec, VideoBatch
-from stages.rollout import SDEConfig, generate
-from stages.score import Scorer
+from sage_grpo.core.errors import UserError
+from sage_grpo.core.models.tiny import tiny_hunyuan15
+from sage_grpo.core.rewards import RewardSpec, VideoBatch
+from sage_grpo.stages.rollout import SDEConfig, generate
+from sage_grpo.stages.score import Scorer
 
 pytestmark = pytest.mark.unit
 

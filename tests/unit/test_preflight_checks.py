@@ -3,8 +3,8 @@ at the lambda the run chose (the integration test runs the whole command; these 
 
 import pytest
 
-from pipeline.config import load_run_config
-from pipeline.preflight import KL_GRAD_RATIO_BAND, TARGET_FACTOR, kl_ratio_check, time_check
+from sage_grpo.pipeline.config import load_run_config
+from sage_grpo.pipeline.preflight import KL_GRAD_RATIO_BAND, TARGET_FACTOR, kl_ratio_check, time_check
 
 pytestmark = pytest.mark.unit
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import RetryableStop
-from core.tracking import FAIL_FAST_HTTP
-from stages.ingest import DataConfig, ingest
+from sage_grpo.core.errors import RetryableStop
+from sage_grpo.core.tracking import FAIL_FAST_HTTP
+from sage_grpo.stages.ingest import DataConfig, ingest
 from tests.helpers import free_port, refused_in_one_line, sagegrpo
 
 pytestmark = pytest.mark.unit
@@ -71,7 +71,7 @@ def test_an_unreadable_config_file_is_one_line(capsys, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("codec", ["utf-8-sig", "utf-16", "utf-16-be", "utf-32"])
 def test_a_config_with_a_byte_order_mark_reads_as_the_utf8_one(capsys, tmp_path, codec):
-    from pipeline import cli
+    from sage_grpo.pipeline import cli
 
     text = _demo_text()
     if codec == "utf-16-be":  # Python's utf-16-be writes no mark: add it, as editors do
@@ -119,7 +119,7 @@ def test_each_deepspeed_json_deepspeed_shorthand_or_depth_would_crash_on_is_one_
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_each_integer_zero_stage_is_still_accepted(capsys, tmp_path, stage):
-    from pipeline import cli
+    from sage_grpo.pipeline import cli
 
     path = tmp_path / "zero.json"
     path.write_text(json.dumps({"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": stage}}))
@@ -158,7 +158,7 @@ def test_a_kwarg_its_parameter_type_cannot_take_is_one_line_naming_it(capsys, ov
     ],
 )
 def test_kwargs_of_their_types_still_pass(capsys, monkeypatch, override):
-    from pipeline import cli
+    from sage_grpo.pipeline import cli
 
     monkeypatch.syspath_prepend(str(REPO / "tests" / "fixtures"))
     assert cli.main(["config", str(DEMO), override]) == 0, capsys.readouterr().err
@@ -253,7 +253,7 @@ def test_an_alias_whose_version_is_gone_is_one_line_naming_it(capsys, tmp_path, 
 
 
 def test_promote_against_a_dead_server_is_one_retryable_line_in_seconds(capsys, monkeypatch):
-    from pipeline import cli
+    from sage_grpo.pipeline import cli
 
     # An environment of this test's own: none of the operator's settings (they would win), none left behind.
     monkeypatch.setattr(os, "environ", {key: value for key, value in os.environ.items() if key not in FAIL_FAST_HTTP})

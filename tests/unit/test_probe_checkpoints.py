@@ -15,11 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from core.errors import UserError
-from core.storage import CheckpointError
-from pipeline.checkpointer import Checkpointer, RNGState
-from pipeline.config import load_run_config
-from pipeline.recipe import Progress
+from sage_grpo.core.errors import UserError
+from sage_grpo.core.storage import CheckpointError
+from sage_grpo.pipeline.checkpointer import Checkpointer, RNGState
+from sage_grpo.pipeline.config import load_run_config
+from sage_grpo.pipeline.recipe import Progress
 
 pytestmark = pytest.mark.unit
 

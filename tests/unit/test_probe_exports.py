@@ -8,11 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.errors import UserError
-from core.export import EXPORT_MANIFEST, LORA_WEIGHT_NAME, check_replaceable, export_lora, read_export_manifest
-from core.lora import LoraConfig, add_lora
-from core.models.tiny import tiny_hunyuan15_pipeline
-from pipeline import cli
+from sage_grpo.core.errors import UserError
+from sage_grpo.core.export import (
+    EXPORT_MANIFEST,
+    LORA_WEIGHT_NAME,
+    check_replaceable,
+    export_lora,
+    read_export_manifest,
+)
+from sage_grpo.core.lora import LoraConfig, add_lora
+from sage_grpo.core.models.tiny import tiny_hunyuan15_pipeline
+from sage_grpo.pipeline import cli
 
 pytestmark = pytest.mark.unit
 

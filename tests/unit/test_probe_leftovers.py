@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.export import export_lora
-from core.lora import LoraConfig, add_lora
-from core.models.tiny import tiny_hunyuan15_pipeline
+from sage_grpo.core.export import export_lora
+from sage_grpo.core.lora import LoraConfig, add_lora
+from sage_grpo.core.models.tiny import tiny_hunyuan15_pipeline
 
 pytestmark = pytest.mark.unit
 
@@ -108,7 +108,7 @@ def test_a_single_process_start_removes_only_the_rendezvous_folders_of_killed_pr
         if uid is not None and os.getuid() != 0:
             continue
         planted[case] = (make(tmp_path / name(pids), "folder", uid), removed)
-    script = "from core import distributed\ndistributed.init()\nprint('up', flush=True)\n"
+    script = "from sage_grpo.core import distributed\ndistributed.init()\nprint('up', flush=True)\n"
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     env.update(TMPDIR=str(tmp_path), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
 
@@ -127,25 +127,25 @@ PHASES = {
         "import builtins\n"
         "real_import = builtins.__import__\n"
         "def slow_import(name, *args, **kwargs):\n"
-        "    if name == 'pipeline.commands':\n"
+        "    if name == 'sage_grpo.pipeline.commands':\n"
         "        block(None)\n"
         "    return real_import(name, *args, **kwargs)\n"
         "builtins.__import__ = slow_import\n",
         ["run", "configs/demo.yaml"],
     ),
     "run start-up": (
-        "from pipeline.recipe import SageGRPORecipe\nSageGRPORecipe.setup = block\n",
+        "from sage_grpo.pipeline.recipe import SageGRPORecipe\nSageGRPORecipe.setup = block\n",
         ["run", "configs/demo.yaml"],
     ),
     "run export at the end": (
-        "from pipeline.recipe import SageGRPORecipe\n"
+        "from sage_grpo.pipeline.recipe import SageGRPORecipe\n"
         "def setup(self, resume=None, fresh_start=False):\n"
         "    self.progress.iteration = self.config.run.max_iterations  # trained: straight to the end\n"
         "SageGRPORecipe.setup = setup\nSageGRPORecipe.cleanup = block\n",
         ["run", "configs/demo.yaml"],
     ),
     "export command": (
-        "from pipeline.recipe import SageGRPORecipe\nSageGRPORecipe.setup_policy = block\n",
+        "from sage_grpo.pipeline.recipe import SageGRPORecipe\nSageGRPORecipe.setup_policy = block\n",
         ["export", "configs/demo.yaml", "--checkpoint", "auto"],
     ),
 }
@@ -165,7 +165,7 @@ def test_a_stop_signal_outside_the_training_loop_exits_retryable(tmp_path, phase
         "    print('ready', file=sys.__stdout__, flush=True)  # the commands send stdout to stderr\n"
         "    time.sleep(600)\n"
         f"{patch}"
-        "from pipeline import cli\n"
+        "from sage_grpo.pipeline import cli\n"
         f"sys.exit(cli.main({argv!r}))\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}

@@ -10,7 +10,7 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
-from core.tracking import BUFFER_FILE, Tracker, TrackingConfig
+from sage_grpo.core.tracking import BUFFER_FILE, Tracker, TrackingConfig
 
 pytestmark = pytest.mark.unit
 

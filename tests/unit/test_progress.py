@@ -1,11 +1,11 @@
-"""core.progress: tqdm's own conventions for every bar of the pipeline."""
+"""sage_grpo.core.progress: tqdm's own conventions for every bar of the pipeline."""
 
 import io
 
 import pytest
 
-from core import distributed
-from core.progress import progress_bar
+from sage_grpo.core import distributed
+from sage_grpo.core.progress import progress_bar
 
 pytestmark = pytest.mark.unit
 

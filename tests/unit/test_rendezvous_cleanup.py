@@ -19,7 +19,7 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 def test_the_rendezvous_folder_is_removed_when_the_process_ends(tmp_path, ending):
     script = (
         "import sys, glob, os\n"
-        "from core import distributed\n"
+        "from sage_grpo.core import distributed\n"
         "distributed.init()\n"
         "assert distributed.world_size() == 1\n"
         "print('stores:', *glob.glob(os.path.join(os.environ['TMPDIR'], 'sagegrpo-pg-*', 'store')))\n"

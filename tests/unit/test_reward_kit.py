@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.errors import UserError
-from core.rewards import RewardSpec, VideoBatch
-from stages.score import RewardFailure, Scorer
+from sage_grpo.core.errors import UserError
+from sage_grpo.core.rewards import RewardSpec, VideoBatch
+from sage_grpo.stages.score import RewardFailure, Scorer
 
 pytestmark = pytest.mark.unit
 
@@ -90,7 +90,7 @@ def test_a_reward_that_never_returns_times_out_is_retried_and_fails_its_samples(
         max_failed_fraction=1.0,
     )
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="stages.score"):
+    with caplog.at_level(logging.WARNING, logger="sage_grpo.stages.score"):
         result = run.score(videos(3), ["a", "b", "c"])
     assert time.monotonic() - started < 5
     assert result.total == [None] * 3 and result.failed == {"user_rewards.kit:Hangs": 3}
@@ -104,7 +104,7 @@ def test_a_reward_that_calls_sys_exit_fails_its_samples_with_one_warning(caplog)
     run = scorer(
         {"name": "user_rewards.kit:Exits", "weights": {}}, {"name": "brightness"}, retries=2, max_failed_fraction=1.0
     )
-    with caplog.at_level(logging.WARNING, logger="stages.score"):
+    with caplog.at_level(logging.WARNING, logger="sage_grpo.stages.score"):
         result = run.score(videos(2), ["a", "b"])
     assert result.failed == {"user_rewards.kit:Exits": 2} and result.total == [None, None]
     assert run.rewards[0][1].calls == 1  # exiting is deliberate: not retried

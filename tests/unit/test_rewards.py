@@ -9,13 +9,13 @@ import pytest
 import torch
 from pydantic import BaseModel, ValidationError
 
-from core.config_loading import validate
-from core.errors import UserError
-from core.grpo import group_advantages
-from core.rewards import RewardSpec, VideoBatch, build_reward, videoalign
-from core.rewards.clip import tiny_clipscore, tiny_pickscore
-from core.rewards.frames import sampled_frame_count, smart_resize, uniform_frame_indices
-from stages.score import Scorer
+from sage_grpo.core.config_loading import validate
+from sage_grpo.core.errors import UserError
+from sage_grpo.core.grpo import group_advantages
+from sage_grpo.core.rewards import RewardSpec, VideoBatch, build_reward, videoalign
+from sage_grpo.core.rewards.clip import tiny_clipscore, tiny_pickscore
+from sage_grpo.core.rewards.frames import sampled_frame_count, smart_resize, uniform_frame_indices
+from sage_grpo.stages.score import Scorer
 
 pytestmark = pytest.mark.unit
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from core.models.tiny import tiny_hunyuan15, tiny_wan
-from core.sde import flow_match_sigmas
-from stages.rollout import SDEConfig, generate, recompute_log_probs
+from sage_grpo.core.models.tiny import tiny_hunyuan15, tiny_wan
+from sage_grpo.core.sde import flow_match_sigmas
+from sage_grpo.stages.rollout import SDEConfig, generate, recompute_log_probs
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""core.safe_load: a planted pickle in a DeepSpeed checkpoint is refused with one line and runs nothing."""
+"""sage_grpo.core.safe_load: a planted pickle in a DeepSpeed checkpoint is refused with one line and runs nothing."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.errors import UserError
-from core.safe_load import FORCE_WEIGHTS_ONLY, UnsafeCheckpointError, check_data_only, data_only_torch_load
+from sage_grpo.core.errors import UserError
+from sage_grpo.core.safe_load import FORCE_WEIGHTS_ONLY, UnsafeCheckpointError, check_data_only, data_only_torch_load
 
 pytestmark = pytest.mark.unit
 
@@ -104,7 +104,7 @@ def test_the_process_settings_are_restored(monkeypatch, before):
 
 
 def test_the_universal_conversion_refuses_a_planted_pickle_before_reading_it(tmp_path):
-    from core.safe_load import convert_to_universal
+    from sage_grpo.core.safe_load import convert_to_universal
 
     marker = tmp_path / "marker"
     plant(tmp_path / "engine" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", marker)

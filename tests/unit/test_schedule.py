@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.errors import RETRYABLE_EXIT_CODE, UserError
-from pipeline import schedule
+from sage_grpo.core.errors import RETRYABLE_EXIT_CODE, UserError
+from sage_grpo.pipeline import schedule
 
 pytestmark = pytest.mark.unit
 
@@ -154,9 +154,9 @@ def test_train_step_runs_under_the_launcher_with_resume_auto(tmp_path):
     args = _args(tmp_path)
     decision = schedule.Decision("new", "sage-2026-12-03", "2026-12-02", schedule.STEPS, "")
     command = schedule.step_command("train", decision, args, schedule.Store(args.checkpoint_root))
-    assert command[:3] == [sys.executable, "-m", "pipeline.launch"]
+    assert command[:3] == [sys.executable, "-m", "sage_grpo.pipeline.launch"]
     # Each worker is this interpreter running the CLI module: nothing is looked up on PATH.
-    assert command[command.index("--module") + 1 : command.index("--module") + 3] == ["pipeline.cli", "run"]
+    assert command[command.index("--module") + 1 : command.index("--module") + 3] == ["sage_grpo.pipeline.cli", "run"]
     assert "sagegrpo" not in command and "--no-python" not in command
     assert command[command.index("--resume") + 1] == "auto"
     assert f"data.source={tmp_path}/prompts/2026-12-02" in command
@@ -171,7 +171,7 @@ def test_promote_step_gates_with_the_configs_registry_settings_and_the_runs_over
     decision = schedule.Decision("new", "sage-2026-12-03", "2026-12-02", schedule.STEPS, "")
     root = schedule.Store(args.checkpoint_root)
     command = schedule.step_command("promote", decision, args, root)
-    assert command[:4] == [sys.executable, "-m", "pipeline.cli", "promote"]
+    assert command[:4] == [sys.executable, "-m", "sage_grpo.pipeline.cli", "promote"]
     assert command[command.index("--config") + 1] == args.config
     assert command[command.index("--model") + 1] == "m"
     # The same overrides as training (the user's tracking URI among them), so the same tracking server.

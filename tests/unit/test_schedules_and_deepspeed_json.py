@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from core.schedules import lr_multiplier
-from stages.update import deepspeed_config
+from sage_grpo.core.schedules import lr_multiplier
+from sage_grpo.stages.update import deepspeed_config
 
 pytestmark = pytest.mark.unit
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from core import sde
+from sage_grpo.core import sde
 
 pytestmark = pytest.mark.unit
 

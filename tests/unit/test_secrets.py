@@ -2,8 +2,8 @@
 
 import pytest
 
-from core.errors import UserError
-from core.secrets import is_secret_key, mask_uri, read_secret
+from sage_grpo.core.errors import UserError
+from sage_grpo.core.secrets import is_secret_key, mask_uri, read_secret
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import RETRYABLE_EXIT_CODE
+from sage_grpo.core.errors import RETRYABLE_EXIT_CODE
 
 pytestmark = pytest.mark.unit
 

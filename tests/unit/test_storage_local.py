@@ -14,8 +14,8 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from core.errors import StoreUnavailable, UserError
-from core.storage import (
+from sage_grpo.core.errors import StoreUnavailable, UserError
+from sage_grpo.core.storage import (
     MANIFEST_NAME,
     CheckpointConfig,
     CheckpointError,
@@ -121,7 +121,7 @@ def test_corruption_is_an_error_when_requested_and_skipped_by_auto(tmp_path, roo
         store.resolve(2)
     with pytest.raises(CheckpointError):
         store.download(2, tmp_path / "restored")
-    with caplog.at_level(logging.INFO, logger="core.storage"):
+    with caplog.at_level(logging.INFO, logger="sage_grpo.core.storage"):
         assert store.resolve("auto") == 1
     assert "step-1" in caplog.text
 
@@ -238,7 +238,7 @@ def test_prune_logs_a_failed_deletion_and_carries_on(tmp_path, store, monkeypatc
         delete_tree(prefix)
 
     monkeypatch.setattr(store.backend, "delete_tree", failing_delete_tree)
-    with caplog.at_level(logging.WARNING, logger="core.storage"):
+    with caplog.at_level(logging.WARNING, logger="sage_grpo.core.storage"):
         assert store.prune(keep_last=2) == [2]
     assert "could not delete" in caplog.text and "read-only" in caplog.text
     assert store.list_steps() == [3, 4]  # step 1 lost its manifest first: leftover files, never a broken checkpoint
@@ -340,8 +340,8 @@ def unreachable_endpoint(store, monkeypatch) -> list[int]:
 
     monkeypatch.setattr(store.backend, "upload_files", failing_upload)
     clock = [1000.0]  # a fake clock that only sleeping advances
-    monkeypatch.setattr("core.storage.time.monotonic", lambda: clock[0])
-    monkeypatch.setattr("core.storage.time.sleep", lambda seconds: clock.__setitem__(0, clock[0] + seconds))
+    monkeypatch.setattr("sage_grpo.core.storage.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("sage_grpo.core.storage.time.sleep", lambda seconds: clock.__setitem__(0, clock[0] + seconds))
     return calls
 
 

@@ -13,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.toyworld import world  # noqa: E402
 from benchmarks.toyworld.rewards import ToyWorldReward, manifold_drift  # noqa: E402
-from core.models.base import frames_to_uint8  # noqa: E402
-from core.rewards.base import VideoBatch  # noqa: E402
+from sage_grpo.core.models.base import frames_to_uint8  # noqa: E402
+from sage_grpo.core.rewards.base import VideoBatch  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -90,7 +90,7 @@ def test_x0_prediction_converts_to_the_velocity_that_lands_on_the_clean_video():
     """With a perfect x0 predictor, the ODE sampler through predict_velocity = (x - x0_hat) / sigma must end exactly
     on the clean latents, whatever the noise: the conversion is what every stage sees."""
     from benchmarks.toyworld.model import ToyWorldAdapter, build_transformer
-    from stages.rollout import SDEConfig, generate
+    from sage_grpo.stages.rollout import SDEConfig, generate
 
     videos, captions = world.batch([21, 22], ["a red square moving left", "a blue square moving up"])
     target = world.encode(videos)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from core.trust_region import KLStrategy, TrustRegion
+from sage_grpo.core.trust_region import KLStrategy, TrustRegion
 
 pytestmark = pytest.mark.unit
 

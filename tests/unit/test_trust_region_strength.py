@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from core.grpo import group_advantages
-from stages.rollout import SDEConfig, generate
-from stages.update import TrustRegionConfig, UpdateConfig, Updater
+from sage_grpo.core.grpo import group_advantages
+from sage_grpo.stages.rollout import SDEConfig, generate
+from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater
 from tests.helpers import LinearAdapter, SGDEngine
 
 pytestmark = pytest.mark.unit

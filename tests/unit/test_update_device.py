@@ -6,9 +6,9 @@ tests catch, without a GPU, a CPU tensor reaching the loss: ``group_advantages``
 import pytest
 import torch
 
-from core.grpo import group_advantages
-from stages.rollout import SDEConfig, generate
-from stages.update import TrustRegionConfig, UpdateConfig, Updater
+from sage_grpo.core.grpo import group_advantages
+from sage_grpo.stages.rollout import SDEConfig, generate
+from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater
 from tests.helpers import LinearAdapter
 
 pytestmark = pytest.mark.unit

@@ -5,10 +5,10 @@ its own turn."""
 import pytest
 import torch
 
-from core.grpo import group_advantages
-from stages.anchor import Anchor
-from stages.rollout import SDEConfig, generate, score_transition
-from stages.update import TrustRegionConfig, UpdateConfig, Updater
+from sage_grpo.core.grpo import group_advantages
+from sage_grpo.stages.anchor import Anchor
+from sage_grpo.stages.rollout import SDEConfig, generate, score_transition
+from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater
 from tests.helpers import LinearAdapter, SGDEngine
 
 pytestmark = pytest.mark.unit

@@ -4,8 +4,8 @@ import pytest
 import torch
 from custom_reward import ColorMatch
 
-from core.rewards import RewardSpec, VideoBatch
-from stages.score import Scorer
+from sage_grpo.core.rewards import RewardSpec, VideoBatch
+from sage_grpo.stages.score import Scorer
 
 
 def solid(rgb, frames=4, size=8):
