@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import re
 import sys
@@ -291,12 +290,9 @@ def _add_plan(subparsers) -> None:
 
 
 def _plan(args) -> int:
-    from sage_grpo.pipeline.memory_plan import plan_from_config
+    from sage_grpo.pipeline.commands import plan_command
 
-    if args.gpu_mem <= 0 or not math.isfinite(args.gpu_mem):
-        raise UserError(f"--gpu-mem must be a positive number of GB, got {args.gpu_mem}")
-    print(plan_from_config(args.config, args.gpus_per_node, args.nodes, args.gpu_mem, list(args.overrides)))
-    return 0
+    return plan_command(args.config, list(args.overrides), args.gpus_per_node, args.nodes, args.gpu_mem)
 
 
 def _add_promote(subparsers) -> None:

@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 from sage_grpo.core import distributed
+from sage_grpo.core.errors import UserError
 from sage_grpo.core.progress import DISABLE_ENV
 from sage_grpo.core.secrets import mask_uri
 from sage_grpo.pipeline.config import RunConfig, load_run_config
@@ -165,3 +166,13 @@ def preflight_command(config_path: str, overrides: list[str], verbosity: int = 0
     if distributed.is_main():
         print(table(checks), flush=True)
     return 1 if any(check.passed is False for check in checks) else 0
+
+
+def plan_command(config_path: str, overrides: list[str], gpus_per_node: int, nodes: int, gpu_mem_gb: float) -> int:
+    """Prints the per-GPU memory plan; building nothing, it needs no GPU."""
+    from sage_grpo.pipeline.memory_plan import plan_from_config
+
+    if gpu_mem_gb <= 0 or not math.isfinite(gpu_mem_gb):
+        raise UserError(f"--gpu-mem must be a positive number of GB, got {gpu_mem_gb}")
+    print(plan_from_config(config_path, gpus_per_node, nodes, gpu_mem_gb, overrides))
+    return 0
