@@ -27,6 +27,17 @@ def forward_flops_per_token(parameters: int, layers: int, width: int, sequence: 
     return 2.0 * parameters + 4.0 * layers * sequence * width
 
 
+def hidden_size(module) -> int | None:
+    """A transformer's attention width from its diffusers config (heads x head dim where it has no hidden_size);
+    None when the config says neither. ``module``: any object with a ``config`` mapping."""
+    config = getattr(module, "config", None) or {}
+    if config.get("hidden_size"):
+        return int(config["hidden_size"])
+    if config.get("num_attention_heads") and config.get("attention_head_dim"):
+        return int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+    return None
+
+
 def peak_flops(device_name: str) -> float | None:
     """The dense bf16 peak of a device from its name (``torch.cuda.get_device_name()``), None when unknown."""
     name = device_name.upper()

@@ -17,17 +17,12 @@ from sage_grpo.core.registry import RegistryConfig
 from sage_grpo.core.rewards.registry import RewardSpec
 from sage_grpo.core.storage import CheckpointConfig
 from sage_grpo.core.tracking import TrackingConfig
+from sage_grpo.stages.engine import DeepSpeedConfig, check_optimizer_fits, deepspeed_config
 from sage_grpo.stages.evaluate import EvalConfig
 from sage_grpo.stages.ingest import DataConfig
 from sage_grpo.stages.rollout import RolloutConfig, SDEConfig
 from sage_grpo.stages.score import ScoringConfig
-from sage_grpo.stages.update import (
-    DeepSpeedConfig,
-    TrustRegionConfig,
-    UpdateConfig,
-    check_optimizer_fits,
-    deepspeed_config,
-)
+from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig
 
 
 class _Section(BaseModel):

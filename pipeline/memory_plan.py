@@ -205,7 +205,7 @@ def anchor_bytes(trainable_count: int, zero_stage: int, offload_param: bool, anc
 def largest_gathered(model, zero3_leaf_modules: str | list[str]) -> int:
     """The most parameters ZeRO-3 holds gathered at once: a leaf block's (all of its parameters) or, outside the
     leaves, one module's own."""
-    from sage_grpo.stages.update import zero3_leaves
+    from sage_grpo.stages.engine import zero3_leaves
 
     leaves = zero3_leaves(model, zero3_leaf_modules)
     inside = {id(module) for leaf in leaves for module in leaf.modules()}
@@ -389,8 +389,8 @@ def plan(
 
 
 def _zero_settings(name_or_path: str) -> tuple[int, bool, bool]:
-    """(stage, offload_optimizer, offload_param) of a DeepSpeed config, found the way stages/update.py finds it."""
-    from sage_grpo.stages.update import DEEPSPEED_CONFIGS
+    """(stage, offload_optimizer, offload_param) of a DeepSpeed config, found the way stages/engine.py finds it."""
+    from sage_grpo.stages.engine import DEEPSPEED_CONFIGS
 
     path = Path(name_or_path)
     if not path.suffix:

@@ -36,10 +36,11 @@ from sage_grpo.pipeline.checkpointer import Checkpointer, RNGState
 from sage_grpo.pipeline.config import RunConfig
 from sage_grpo.pipeline.signals import preemption_signals
 from sage_grpo.stages import evaluate as evaluation
+from sage_grpo.stages.engine import build_engine
 from sage_grpo.stages.ingest import CachedEmbeddings, EmbeddingCache, PromptSampler, ingest
 from sage_grpo.stages.rollout import SDEConfig, generate
 from sage_grpo.stages.score import Scorer, reward_metrics
-from sage_grpo.stages.update import Updater, build_engine, compute_advantages
+from sage_grpo.stages.update import Updater, compute_advantages
 
 logger = logging.getLogger(__name__)
 

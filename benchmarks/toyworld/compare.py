@@ -31,13 +31,13 @@ import torch
 from sage_grpo.core import distributed
 from sage_grpo.core.grpo import group_advantages
 from sage_grpo.core.rewards.base import VideoBatch, weighted_total
+from sage_grpo.stages.engine import build_engine
 from sage_grpo.stages.rollout import SDEConfig, generate
 from sage_grpo.stages.update import (
     TrustRegionConfig,
     UpdateConfig,
     Updater,
     accumulation_steps,
-    build_engine,
 )
 
 from . import world

@@ -15,7 +15,8 @@ from sage_grpo.core import distributed
 from sage_grpo.core.export import export_policy, model_record
 from sage_grpo.core.lora import LoraConfig, add_lora
 from sage_grpo.core.models.tiny import tiny_hunyuan15
-from sage_grpo.stages.update import UpdateConfig, build_engine
+from sage_grpo.stages.engine import build_engine
+from sage_grpo.stages.update import UpdateConfig
 
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)  # alpha != rank: the export must fold the scale
 

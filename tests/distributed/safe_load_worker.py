@@ -18,7 +18,8 @@ import torch
 from sage_grpo.core import distributed
 from sage_grpo.core.errors import UserError
 from sage_grpo.core.safe_load import data_only_torch_load, load_engine_checkpoint
-from sage_grpo.stages.update import UpdateConfig, build_engine
+from sage_grpo.stages.engine import build_engine
+from sage_grpo.stages.update import UpdateConfig
 
 TAG = "engine"
 

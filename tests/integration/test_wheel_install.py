@@ -56,7 +56,7 @@ def test_an_installed_wheel_resolves_the_shipped_deepspeed_configs_from_another_
     assert yaml.safe_load(result.stdout)["deepspeed"]["config"] == "zero3"
 
     where = _run(
-        python, "-c", "import sage_grpo.stages.update as u; print(u.DEEPSPEED_CONFIGS)", cwd=elsewhere, env=env
+        python, "-c", "import sage_grpo.stages.engine as e; print(e.DEEPSPEED_CONFIGS)", cwd=elsewhere, env=env
     )
     assert Path(where.stdout.strip()).is_relative_to(site_packages)
     assert sorted(path.name for path in Path(where.stdout.strip()).glob("*.json")) == [

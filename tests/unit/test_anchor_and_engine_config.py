@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from sage_grpo.stages.anchor import Anchor
-from sage_grpo.stages.update import UpdateConfig, accumulation_steps, deepspeed_config
+from sage_grpo.stages.engine import deepspeed_config
+from sage_grpo.stages.update import UpdateConfig, accumulation_steps
 
 pytestmark = pytest.mark.unit
 
@@ -159,7 +160,7 @@ def test_a_float32_ema_of_bf16_weights_moves_and_swaps_in_without_rounding_itsel
 def test_zero3_leaves_are_the_outermost_modules_of_the_named_classes():
     from sage_grpo.core.errors import UserError
     from sage_grpo.core.models.tiny import tiny_hunyuan15
-    from sage_grpo.stages.update import zero3_leaves
+    from sage_grpo.stages.engine import zero3_leaves
 
     transformer = tiny_hunyuan15(seed=0).transformer
     auto = [type(m).__name__ for m in zero3_leaves(transformer, "auto")]

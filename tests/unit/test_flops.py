@@ -31,3 +31,13 @@ def test_a_transformer_call_counts_its_video_tokens_and_weights(guidance):
     weights = sum(p.numel() for p in module.parameters())
     per_token = 2 * weights + 4 * 1 * tokens * 16  # 1 layer, 2 heads x 8
     assert model_forward_flops(module, adapter) == (2 if guidance > 1 else 1) * tokens * per_token
+
+
+def test_hidden_size_reads_the_width_or_heads_times_head_dim_from_the_config():
+    class Configured:
+        def __init__(self, **config):
+            self.config = config
+
+    assert flops.hidden_size(Configured(hidden_size=3072)) == 3072
+    assert flops.hidden_size(Configured(num_attention_heads=24, attention_head_dim=128)) == 3072
+    assert flops.hidden_size(Configured()) is None

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from sage_grpo.core.schedules import lr_multiplier
-from sage_grpo.stages.update import deepspeed_config
+from sage_grpo.stages.engine import deepspeed_config
 
 pytestmark = pytest.mark.unit
 
