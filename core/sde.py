@@ -271,3 +271,35 @@ def flow_match_sigmas(steps: int, shift: float = 1.0) -> torch.Tensor:
     if shift <= 0:
         raise ValueError(f"shift must be > 0, got {shift}")
     return shift_sigmas(torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64), shift)
+
+
+def sliding_window(window: tuple[int, int], steps: int, iteration: int, every: int) -> tuple[int, int]:
+    """The stochastic window of ``iteration`` when it slides along the schedule (MixGRPO's progressive window).
+
+    ``window`` = (start, end) is its position at iteration 0; it keeps its size and moves one step towards low noise
+    every ``every`` iterations. Starts range over 0 .. steps - size - 1, so the window never covers the last step (to
+    sigma 0, which injects no noise and never trains); past the last start it returns to 0, like MixGRPO's restart,
+    so a long run keeps cycling over the whole schedule. A function of the iteration alone: a resumed run slides
+    exactly as an uninterrupted one.
+    """
+    start, end = window
+    if not 0 <= start < end <= steps:
+        raise ValueError(f"window must satisfy 0 <= start < end <= steps={steps}, got {window}")
+    if every < 1:
+        raise ValueError(f"the window must stay at least 1 iteration at each position, got every={every}")
+    if iteration < 0:
+        raise ValueError(f"iteration must be >= 0, got {iteration}")
+    size = end - start
+    positions = steps - size  # starts 0 .. steps - size - 1
+    if positions < 2:
+        raise ValueError(
+            f"a window of {size} of {steps} steps has nowhere to slide: size <= {steps - 2}, since the "
+            "last step never trains"
+        )
+    if start >= positions:
+        raise ValueError(
+            f"a window of {size} steps starting at {start} covers the last step, which never trains: "
+            f"start <= {positions - 1}"
+        )
+    moved = (start + iteration // every) % positions
+    return moved, moved + size

@@ -305,7 +305,7 @@ class SageGRPORecipe:
                 policy.adapter,
                 batch_prompts,
                 group_size,
-                config.sde,
+                config.sde.at_iteration(self.progress.iteration),
                 iteration_seed(config.seed, self.progress.iteration),
                 prompt_ids=prompt_ids,
                 batch_size=config.update.micro_batch_size,

@@ -32,7 +32,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sage_grpo.core.models.base import PromptEmbeddings, VideoModelAdapter
 from sage_grpo.core.progress import progress_bar
-from sage_grpo.core.sde import SDEStepOutput, check_eta, flow_match_sigmas, gaussian_log_prob, noise_stds, sde_step
+from sage_grpo.core.sde import (
+    SDEStepOutput,
+    balance_factors,
+    check_eta,
+    flow_match_sigmas,
+    gaussian_log_prob,
+    noise_stds,
+    sde_step,
+    sliding_window,
+)
 
 
 class RolloutConfig(BaseModel):
@@ -42,6 +51,11 @@ class RolloutConfig(BaseModel):
 
     group_size: int = Field(4, ge=2, le=1024)  # G: a group of one has no baseline
     prompts_per_rank: int = Field(2, ge=1, le=4096)
+
+    @property
+    def samples_per_rank(self) -> int:
+        """The videos one rank generates and trains on per iteration: its prompts x G."""
+        return self.prompts_per_rank * self.group_size
 
 
 class SDEConfig(BaseModel):
@@ -58,6 +72,10 @@ class SDEConfig(BaseModel):
     steps: int = Field(20, ge=1, le=1000)
     shift: float = Field(5.0, gt=0, le=100.0)
     window: tuple[int, int] | None = None
+    # sliding: ``window`` is the position at iteration 0; it moves one step towards low noise every ``window_every``
+    # iterations and wraps around (``core.sde.sliding_window``, MixGRPO's progressive window).
+    window_schedule: Literal["fixed", "sliding"] = "fixed"
+    window_every: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _valid_schedule(self) -> SDEConfig:
@@ -68,7 +86,28 @@ class SDEConfig(BaseModel):
         check_eta(self.sde_variant, self.eta)
         if self.variant != "ode" and not self.trained_steps_mask().any():
             raise ValueError(f"no step of this schedule injects noise (window {self.window}): nothing would train")
+        if self.window_schedule == "sliding":
+            self._check_sliding()
         return self
+
+    def _check_sliding(self) -> None:
+        if self.window is None:
+            raise ValueError("sde.window_schedule=sliding needs sde.window=[start, end]: its size and first position")
+        sliding_window(self.window, self.steps, 0, self.window_every)
+        size = self.window[1] - self.window[0]
+        positions = [(start, start + size) for start in range(self.steps - size)]
+        counts = {int(self.model_copy(update={"window": p}).trained_steps_mask().sum()) for p in positions}
+        if len(counts) > 1:  # the update's accumulation count is set once, from the first position
+            raise ValueError(
+                f"sde.window_schedule=sliding: a {size}-step window trains {sorted(counts)} steps at different "
+                "positions of this schedule (a step without noise does not train); choose another window size"
+            )
+
+    def at_iteration(self, iteration: int) -> SDEConfig:
+        """The sampler of ``iteration``: this config, with the window moved there when it slides."""
+        if self.window_schedule == "fixed":
+            return self
+        return self.model_copy(update={"window": sliding_window(self.window, self.steps, iteration, self.window_every)})
 
     @property
     def sde_variant(self) -> str:
@@ -95,6 +134,18 @@ class SDEConfig(BaseModel):
         sigma clamp (no noise): neither has a log-prob, so training them would only add zero-gradient micro-steps.
         """
         return self.schedule_stds(sigmas) > 0
+
+    @property
+    def trained_step_count(self) -> int:
+        """How many steps of the configured schedule train (``trained_steps_mask``'s count)."""
+        return int(self.trained_steps_mask().sum())
+
+    def step_weights(self, sigmas: torch.Tensor | None = None) -> torch.Tensor:
+        """[T] float32 S_t, the temporal gradient equalizer's weight of every step's loss: balanced over the trained
+        steps, 0 on the others (``sigmas`` as in ``schedule_stds``)."""
+        sigmas = flow_match_sigmas(self.steps, self.shift) if sigmas is None else sigmas
+        trained = self.trained_steps_mask(sigmas)
+        return balance_factors(self.sde_variant, sigmas, self.eta, trained=trained).float()
 
 
 @dataclass
