@@ -1,4 +1,4 @@
-"""GRPO on ToyWorld, arm by arm over seeds: does it learn, and does each of the paper's claims hold here?
+"""GRPO on ToyWorld, arm by arm over seeds: does it learn, and does each of the paper's claims hold?
 
     python -m benchmarks.toyworld.compare --quick --jobs 2            # the learning default only (<= 15 min)
     python -m benchmarks.toyworld.compare --jobs 2                    # every arm x 3 seeds (the full sweep)
@@ -6,11 +6,16 @@
     python -m benchmarks.toyworld.compare --from-results benchmarks/toyworld/results/results.json  # report only
 
 Each run: the cached pretrained model (``pretrain.py``), full fine-tuning of its used weights on a 1-process DeepSpeed
-engine (ZeRO-2) through ``stages.update.Updater`` with the calibrated trust region, K iterations of (rollout of all 16
-captions x G samples, analytic rewards with Setting B weights, group advantages, one optimizer update). Every
-``eval_every`` iterations, deterministic (ODE) samples of every caption from fixed noise measure the reward and the
-drift to the manifold. Writes ``results.json`` and ``curves.png`` under ``--out`` and regenerates the ToyWorld section
+engine (ZeRO-2) through ``stages.update.Updater`` with the calibrated trust region, K iterations of (rollout of the 12
+training captions x G samples, analytic rewards with Setting B weights, group advantages, one optimizer update). Every
+``eval_every`` iterations, deterministic (ODE) samples from fixed noise measure the reward and the drift to the
+manifold on the 4 held-out captions (``world.HELD_OUT_CAPTIONS``, never rolled out in training: the headline) and on
+the training captions. Writes ``results.json`` and ``curves.png`` under ``--out`` and regenerates the ToyWorld section
 of ``benchmarks/RESULTS.md`` from ``results.json`` (``report.py``): tables and verdicts are never copied by hand.
+
+A sweep spans sittings: each run's result is written to ``--out``/runs/ (atomically) as soon as it finishes, and a
+rerun of the same command skips the runs already there with the same experiment, so an interrupted sweep resumes.
+Two arms that are the same experiment once defaults are resolved are refused (one line naming both).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import dataclasses
 import gc
 import json
 import os
+import re
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +36,7 @@ from pathlib import Path
 import torch
 
 from sage_grpo.core import distributed
+from sage_grpo.core.errors import UserError
 from sage_grpo.core.grpo import group_advantages
 from sage_grpo.core.rewards.base import VideoBatch, weighted_total
 from sage_grpo.stages.engine import build_engine
@@ -55,31 +63,38 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 @dataclass(frozen=True)
 class Config:
-    """One arm's settings. The defaults are the learning default: SAGE, dual trust region (calibrated preset),
-    equalizer on, all 16 captions x 8 samples = 128 rollouts per iteration (16 per iteration stayed flat over 60
-    iterations in a feasibility study), the high-noise half of the steps stochastic and trained, lr 1e-4."""
+    """One arm's settings. The defaults are the learning default: SAGE, the moving trust region (the pipeline's
+    default, calibrated preset), equalizer on, the 12 training captions x 8 samples = 96 rollouts per iteration (16
+    per iteration stayed flat over 60 iterations in a feasibility study), the high-noise half of the steps stochastic
+    and trained, lr 1e-4; evaluated on the 4 held-out captions and on the training ones."""
 
     variant: str = "sage"
     eta: float | None = None  # None: the variant's own (ETAS)
-    kl: str = "dual"  # none | fixed | moving | step_wise (velocity only) | dual
+    kl: str = "moving"  # none | fixed | moving | step_wise (velocity only) | dual
     anchor_interval: int = 10
     equalizer: str = "on"  # on | off | cap (S_t clamped at equalizer_cap)
     equalizer_cap: float = 2.0
     steps: int = 8
     shift: float = SHIFT
-    window: str = "half"  # half: steps 0..T/2-1 stochastic and trained (the high-noise half); all: every step
+    # half: steps 0..T/2-1 stochastic and trained (the high-noise half); all: every step; sliding: a window of T/2
+    # steps that moves one step towards low noise every ``window_every`` iterations (sde.window_schedule=sliding).
+    window: str = "half"
+    window_every: int = 5
     # 3e-4 costs VQ 0.64 -> 0.51 within 5 updates even with the half window, where S_t <= 2.5; with every step trained
     # (S_t up to 5.8 at sigma = 1) the equalized per-step gradient norms still stay within 1.9x of each other, the
     # sigma = 1 step's the smallest (raw norms span 41x). So the collapse is the learning rate's, not the equalizer's:
     # 1e-4, uncapped. The "lr 3e-4 all" arms test this with seeds.
     learning_rate: float = 1e-4
-    captions: tuple[str, ...] = tuple(world.CAPTIONS)  # every one, every iteration
+    captions: tuple[str, ...] = tuple(world.TRAIN_CAPTIONS)  # every one, every iteration
+    eval_captions: tuple[str, ...] = tuple(world.HELD_OUT_CAPTIONS)  # never rolled out in training
     group_size: int = 8
     # 30, not 40: the whole sweep fits the 120-minute budget on 2 cores (40 needs ~2.5 h). The quick profile at 40
     # gained +0.033 +- 0.009 by iteration 30 (+0.048 at 40): still > 3 SE, and the reference arm runs twice the seeds.
     iterations: int = 30
     eval_every: int = 5
-    eval_samples_per_caption: int = 4
+    eval_samples_per_caption: int = 4  # on the training captions
+    # 4 held-out captions x 16 = 64 samples: the headline's evaluation set is as large as the old all-caption one
+    held_out_samples_per_caption: int = 16
     deepspeed_config: str = "zero2"  # ZeRO-3's per-layer gathers only cost time on one CPU process
     pretrain: PretrainConfig = PretrainConfig()
 
@@ -87,9 +102,35 @@ class Config:
     def eta_value(self) -> float:
         return ETAS[self.variant] if self.eta is None else self.eta
 
-    def sde(self) -> SDEConfig:
-        window = (0, self.steps // 2) if self.window == "half" else None
-        return SDEConfig(variant=self.variant, eta=self.eta_value, steps=self.steps, shift=self.shift, window=window)
+    def sde(self, iteration: int = 0) -> SDEConfig:
+        """The rollout sampler of ``iteration`` (the window moves only when it slides)."""
+        window = None if self.window == "all" else (0, self.steps // 2)
+        return SDEConfig(
+            variant=self.variant,
+            eta=self.eta_value,
+            steps=self.steps,
+            shift=self.shift,
+            window=window,
+            window_schedule="sliding" if self.window == "sliding" else "fixed",
+            window_every=self.window_every,
+        ).at_iteration(iteration)
+
+
+def experiment(config: Config) -> dict:
+    """The config with its defaults resolved and the settings that cannot act removed: two arms with the same
+    ``experiment`` run the same training (``anchor N=1`` and ``kl step_wise`` gave bit-identical rewards)."""
+    resolved = dataclasses.asdict(config) | {"eta": config.eta_value}
+    # An anchor re-copied before every update equals the policy it constrains, so the position term's gradient is 0:
+    # the strategy is its velocity part alone.
+    if config.kl in ("moving", "dual") and config.anchor_interval == 1:
+        resolved["kl"] = {"moving": "none", "dual": "step_wise"}[config.kl]
+    if resolved["kl"] not in ("moving", "dual"):
+        resolved["anchor_interval"] = None  # no anchor, or one that never moves
+    if config.equalizer != "cap":
+        resolved["equalizer_cap"] = None
+    if config.window != "sliding":
+        resolved["window_every"] = None
+    return json.loads(json.dumps(resolved))  # tuples as lists, as a run file stores them
 
 
 @dataclass(frozen=True)
@@ -110,14 +151,18 @@ ARMS = {
     for arm in [
         _arm("default"),
         *[_arm(v, variant=v) for v in ("dance", "flow", "cps")],
+        # CPS at 0.5 is the "cps" arm itself (its own eta is the shared one): refused as a duplicate.
         *[_arm(f"{v} eta {SHARED_ETA:g}", variant=v, eta=SHARED_ETA) for v in ("dance", "flow")],
-        *[_arm(f"kl {kl}", kl=kl) for kl in ("none", "fixed", "moving", "step_wise")],
+        # The trust-region arms around the default (moving): none, fixed, velocity only, dual.
+        *[_arm(f"kl {kl}", kl=kl) for kl in ("none", "fixed", "step_wise", "dual")],
         _arm("equalizer off", equalizer="off"),
         _arm("equalizer cap", equalizer="cap"),
-        *[_arm(f"anchor N={n}", anchor_interval=n) for n in (1, 5, 20)],
+        # N = 1 is no position term at all (the "kl none" experiment), so the sweep starts at 5.
+        *[_arm(f"anchor N={n}", anchor_interval=n) for n in (5, 20)],
         # 20 iterations: a 20-step iteration costs 2.5 of ours, and these arms are compared with each other only.
         *[_arm(f"{v} 20 steps shift 5", variant=v, steps=20, shift=5.0, iterations=20) for v in VARIANTS],
         _arm("window all", window="all"),
+        _arm("window sliding", window="sliding"),
         # The equalizer at a learning rate where it was seen to collapse (every step trained: S_t up to 5.8 at sigma 1).
         # The collapse shows within 5 updates, so 15 iterations answer the question at half the cost.
         *[
@@ -181,7 +226,7 @@ def _iteration(adapter, updater: Updater, config: Config, seed: int, iteration: 
         adapter,
         captions,
         config.group_size,
-        config.sde(),
+        config.sde(iteration),
         seed=seed,
         prompt_ids=ids,
         batch_size=samples,
@@ -211,13 +256,23 @@ def _iteration(adapter, updater: Updater, config: Config, seed: int, iteration: 
     }
 
 
+def _scores(adapter, config: Config, captions: tuple[str, ...], samples_per_caption: int) -> dict:
+    scores = evaluate(
+        adapter,
+        captions=list(captions),
+        samples_per_caption=samples_per_caption,
+        steps=config.steps,
+        shift=config.shift,
+    )
+    return {"reward": sum(weight * scores[d] for d, weight in WEIGHTS.items()), **scores}
+
+
 def _evaluation(adapter, config: Config, iteration: int, train_s: float) -> dict:
+    """The held-out captions' scores (the headline, at the top level) and the training captions' (``train``)."""
     with torch.no_grad():
-        scores = evaluate(
-            adapter, samples_per_caption=config.eval_samples_per_caption, steps=config.steps, shift=config.shift
-        )
-    reward = sum(weight * scores[d] for d, weight in WEIGHTS.items())
-    return {"iteration": iteration, "train_s": train_s, "reward": reward, **scores}
+        held_out = _scores(adapter, config, config.eval_captions, config.held_out_samples_per_caption)
+        train = _scores(adapter, config, config.captions, config.eval_samples_per_caption)
+    return {"iteration": iteration, "train_s": train_s, **held_out, "train": train}
 
 
 def run_grpo(arm: str, config: Config, seed: int) -> dict:
@@ -243,6 +298,7 @@ def run_grpo(arm: str, config: Config, seed: int) -> dict:
         "arm": arm,
         "seed": seed,
         "config": dataclasses.asdict(config),
+        "experiment": experiment(config),
         "evaluations": evaluations,
         "history": history,
         "train_s": train_s,
@@ -255,24 +311,62 @@ def run_grpo(arm: str, config: Config, seed: int) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _logged(job: tuple[str, Config, int]) -> dict:
-    arm, config, seed = job
+def run_path(out: Path, arm: str, seed: int) -> Path:
+    """Where one run's result lives: written once, when the run has finished."""
+    return out / "runs" / f"{re.sub(r'[^a-zA-Z0-9.=-]+', '_', arm)}-seed{seed}.json"
+
+
+def finished(out: Path, arm: str, config: Config, seed: int) -> dict | None:
+    """The stored result of this run, if an earlier sitting finished the same experiment."""
+    path = run_path(out, arm, seed)
+    if not path.exists():
+        return None
+    result = json.loads(path.read_text())
+    return result if result.get("experiment") == experiment(config) and result["seed"] == seed else None
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write then rename: a sitting killed mid-write leaves no half file under the final name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def _run_and_store(job: tuple[str, Config, int, Path]) -> dict:
+    arm, config, seed, out = job
     result = run_grpo(arm, config, seed)
+    write_atomically(run_path(out, arm, seed), json.dumps(result))
     before, after = result["evaluations"][0], result["evaluations"][-1]
     print(
-        f"{arm:24s} seed {seed}: eval reward {before['reward']:.3f} -> {after['reward']:.3f}, "
+        f"{arm:24s} seed {seed}: held-out eval reward {before['reward']:.3f} -> {after['reward']:.3f}, "
         f"drift {before['drift']:.3f} -> {after['drift']:.3f}, {result['wall_s']:.0f}s",
         flush=True,
     )
     return result
 
 
-def run_all(jobs: list[tuple[str, Config, int]], parallel: int) -> list[dict]:
+def run_all(jobs: list[tuple[str, Config, int, Path]], parallel: int) -> None:
     if parallel == 1:
-        return [_logged(job) for job in jobs]
+        for job in jobs:
+            _run_and_store(job)
+        return
     # Each worker is its own 1-process DeepSpeed world; spawn, because a forked child inherits torch's thread pools.
     with ProcessPoolExecutor(parallel, mp_context=get_context("spawn")) as pool:
-        return list(pool.map(_logged, jobs))
+        list(pool.map(_run_and_store, jobs))
+
+
+def check_distinct(arms: list[str], base: Config) -> None:
+    """Refuse two arms that are the same experiment: one run would be shown as two pieces of evidence."""
+    seen: dict[str, str] = {}
+    for name in arms:
+        key = json.dumps(experiment(ARMS[name].config(base)), sort_keys=True)
+        if key in seen:
+            raise UserError(
+                f"arms '{seen[key]}' and '{name}' are the same experiment (same config once defaults are resolved): "
+                "run one of them"
+            )
+        seen[key] = name
 
 
 def _seeds(arm: str, seeds: int) -> int:
@@ -281,14 +375,43 @@ def _seeds(arm: str, seeds: int) -> int:
 
 def _cost(config: Config) -> float:
     """Relative run time: every step rolled out, the trained ones (half or all) also updated at about 2.5x a forward."""
-    trained = config.steps // 2 if config.window == "half" else config.steps
+    trained = config.steps if config.window == "all" else config.steps // 2
     return config.iterations * (config.steps + 2.5 * trained)
 
 
 def _jobs(arms: list[str], seeds: int, base: Config) -> list[tuple[str, Config, int]]:
-    # Longest runs first, so that two workers finish together rather than one waiting on a late 20-step run.
+    # Longest runs first, so that two workers finish together rather than one waiting on a late 20-step run; then
+    # seed by seed, so that a sweep cut short has the same seeds in every arm (paired comparisons).
     jobs = [(name, ARMS[name].config(base), seed) for name in arms for seed in range(_seeds(name, seeds))]
-    return sorted(jobs, key=lambda job: -_cost(job[1]))
+    return sorted(jobs, key=lambda job: (-_cost(job[1]), job[2]))
+
+
+def sweep(arms: list[str], seeds: int, base: Config, parallel: int, out: Path, command: str, run=True) -> dict:
+    """Run what is not finished yet (nothing unless ``run``), log this sitting, and return everything results.json
+    holds: the finished runs of these arms and seeds, and every sitting's wall time and machine load."""
+    check_distinct(arms, base)
+    jobs = _jobs(arms, seeds, base)
+    todo = [(arm, config, seed, out) for arm, config, seed in jobs if finished(out, arm, config, seed) is None]
+    todo = todo if run else []
+    print(f"{len(jobs) - len(todo)} of {len(jobs)} runs already finished in {out / 'runs'}; running {len(todo)}")
+    from . import report
+
+    sitting = report.machine() | {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "jobs": parallel}
+    start = time.perf_counter()
+    run_all(todo, parallel)
+    sitting |= {"wall_s": time.perf_counter() - start, "runs": len(todo), "command": command}
+    sitting["load_average_at_end"] = list(os.getloadavg())
+    sittings_path = out / "sittings.json"
+    sittings = json.loads(sittings_path.read_text()) if sittings_path.exists() else []
+    write_atomically(sittings_path, json.dumps(sittings + [sitting], indent=1))
+    return {
+        "arms": arms,
+        "seeds": seeds,
+        "jobs": parallel,
+        "command": command,
+        "sittings": sittings + [sitting],
+        "runs": [run for arm, config, seed in jobs if (run := finished(out, arm, config, seed)) is not None],
+    }
 
 
 def main() -> None:
@@ -304,7 +427,7 @@ def main() -> None:
         help=f"GRPO iterations per run (default {Config.iterations}; arms setting theirs keep it)",
     )
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel, one process and one thread each")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results.json, curves.png and runs/ go here")
     parser.add_argument(
         "--results-md",
         type=Path,
@@ -312,6 +435,9 @@ def main() -> None:
         help="the markdown file whose ToyWorld section is regenerated",
     )
     parser.add_argument("--from-results", type=Path, help="only regenerate the report from a results.json")
+    parser.add_argument(
+        "--collect", action="store_true", help="run nothing: results.json and the report from the finished runs"
+    )
     args = parser.parse_args()
     if args.from_results:
         report.write(json.loads(args.from_results.read_text()), args.out, args.results_md)
@@ -320,26 +446,20 @@ def main() -> None:
     profile = "quick" if args.quick else "full" if not args.arms else "custom"
     arms = args.arms or list(QUICK_ARMS if args.quick else ARMS)
     base = Config() if args.iterations is None else Config(iterations=args.iterations)
+    command = "python -m benchmarks.toyworld.compare " + " ".join(_argv())
+    try:
+        check_distinct(arms, base)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(UserError.exit_code)
     torch.set_num_threads(1)
     pretrained_adapter(base.pretrain, log_every=100)  # fit once here, not in every worker
-    machine, start = report.machine(), time.perf_counter()
-    results = run_all(_jobs(arms, args.seeds, base), args.jobs)
-    saved = {
-        "profile": profile,
-        "arms": arms,
-        "seeds": args.seeds,
-        "jobs": args.jobs,
-        "command": "python -m benchmarks.toyworld.compare " + " ".join(_argv()),
-        "wall_s": time.perf_counter() - start,
-        "machine": machine | {"load_average_at_end": list(os.getloadavg())},
-        "runs": results,
-    }
+    saved = {"profile": profile} | sweep(arms, args.seeds, base, args.jobs, args.out, command, run=not args.collect)
     report.write(saved, args.out, args.results_md)
 
 
 def _argv() -> list[str]:
     import shlex
-    import sys
 
     return [shlex.quote(arg) for arg in sys.argv[1:]]
 

@@ -102,14 +102,20 @@ def pretrained_adapter(
 
 
 def evaluate(
-    adapter: ToyWorldAdapter, *, samples_per_caption: int = 4, steps: int = 8, shift: float = SHIFT, seed: int = 10_000
+    adapter: ToyWorldAdapter,
+    *,
+    captions: list[str] = world.CAPTIONS,
+    samples_per_caption: int = 4,
+    steps: int = 8,
+    shift: float = SHIFT,
+    seed: int = 10_000,
 ):
     """Mean rewards (with TA's colour and direction halves) and drift of deterministic (ODE) samples of every
-    caption, from fixed initial noise: the same evaluation set before and after any training."""
-    samples = len(world.CAPTIONS) * samples_per_caption
+    caption (default: all 16), from fixed initial noise: the same evaluation set before and after any training."""
+    samples = len(captions) * samples_per_caption
     rollout = generate(
         adapter,
-        world.CAPTIONS,
+        captions,
         samples_per_caption,
         SDEConfig(variant="ode", steps=steps, shift=shift),
         seed=seed,

@@ -17,6 +17,14 @@ COLOURS = {"red": (1.0, 0.0, 0.0), "green": (0.0, 1.0, 0.0), "blue": (0.0, 0.0, 
 # (dy, dx) per frame, in pixels: image rows grow downwards.
 DIRECTIONS = {"left": (0, -SPEED), "right": (0, SPEED), "up": (-SPEED, 0), "down": (SPEED, 0)}
 CAPTIONS = [f"a {colour} square moving {direction}" for colour in COLOURS for direction in DIRECTIONS]
+# Held out of GRPO training, evaluated for generalisation: one colour x direction combination per colour and per
+# direction (a Latin square), so every colour and every direction is trained with three others and never in these
+# pairs. Pretraining saw them (it fits the whole world, as a pretrained video model has seen the words before); GRPO
+# never rolls them out, so a gain on them is the fine-tuning generalising, not memorising its prompts.
+HELD_OUT_CAPTIONS = [
+    f"a {colour} square moving {direction}" for colour, direction in zip(COLOURS, ("left", "right", "up", "down"))
+]
+TRAIN_CAPTIONS = [caption for caption in CAPTIONS if caption not in HELD_OUT_CAPTIONS]
 
 # Latents: 2 frames x 4x4 pixels x 3 channels per token, mixed by a fixed orthogonal matrix (a stand-in for a VAE that
 # is linear, exactly invertible and costs nothing). 8x16x16 videos become latents [96, 4, 4, 4].
