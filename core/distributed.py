@@ -14,12 +14,73 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
 
+from sage_grpo.core.errors import UserError
 from sage_grpo.core.files import remove_abandoned
 
 # The folder of a single process's rendezvous file (see ``init``), removed by ``shutdown``.
 _rendezvous: str | None = None
 _RENDEZVOUS_FOLDER = re.compile(r"sagegrpo-pg-(?P<pid>[1-9][0-9]*)-\w+")
+
+
+class ParallelConfig(BaseModel):
+    """The ``parallel`` section: how ranks share the work beyond plain data parallelism.
+
+    ``sequence_parallel_size`` K (Ulysses): groups of K consecutive ranks each hold one sample's video tokens split K
+    ways through every transformer forward and backward (rollout, update, anchor and lagged-policy forwards), so the
+    activations of a sequence are spread over K GPUs. The world then holds world/K data-parallel groups; ZeRO-3 still
+    partitions the weights over every rank. K must divide the world size, the attention heads and the video tokens.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    sequence_parallel_size: int = Field(1, ge=1, le=1024)
+
+
+# The (data, ring, ulysses) device mesh of the run when sequence_parallel_size > 1 (``init_sequence_parallel``).
+_sequence_mesh = None
+
+
+def init_sequence_parallel(size: int):
+    """Arrange the ranks as world/size data-parallel groups of ``size`` consecutive ranks (consecutive: on one node,
+    where Ulysses' all-to-alls are fast) and return the device mesh diffusers' context parallelism takes (dims
+    ``data``, ``ring`` of size 1, ``ulysses``), or None for size 1. Every rank calls it, after ``init``."""
+    global _sequence_mesh
+    if size == 1:
+        _sequence_mesh = None
+        return None
+    world = world_size()
+    if world % size:
+        raise UserError(f"parallel.sequence_parallel_size={size} does not divide the world size {world}")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _sequence_mesh = init_device_mesh(
+        device().type, (world // size, 1, size), mesh_dim_names=("data", "ring", "ulysses")
+    )
+    return _sequence_mesh
+
+
+def sequence_parallel_size() -> int:
+    """K: the ranks that share one sample's tokens (1 without sequence parallelism)."""
+    return 1 if _sequence_mesh is None else _sequence_mesh["ulysses"].size()
+
+
+def data_parallel_rank() -> int:
+    """Which data-parallel group this rank belongs to: what shards prompts and seeds (the K ranks of a group hold
+    the same samples)."""
+    return rank() // sequence_parallel_size()
+
+
+def data_parallel_size() -> int:
+    """Distinct samples' groups in the world: world size / K."""
+    return world_size() // sequence_parallel_size()
+
+
+def one_per_sequence_group(values_by_rank: list) -> list:
+    """The entries of a list indexed by global rank that belong to distinct data-parallel groups (the first rank of
+    each): a gather over all ranks holds every group's values K times."""
+    return values_by_rank[:: sequence_parallel_size()]
 
 
 def rank() -> int:

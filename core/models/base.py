@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
+
+from sage_grpo.core.errors import UserError
 
 
 @dataclass
@@ -143,6 +147,34 @@ class DiffusersAdapter(VideoModelAdapter):
     def latent_channels(self) -> int:
         """Channels of the denoised latents (not of the transformer's input, which may carry conditioning)."""
 
+    @abstractmethod
+    def patch_size(self) -> tuple[int, int, int]:
+        """The transformer's (frames, height, width) patch: latents per video token."""
+
+    def attention_layout(self) -> tuple[int, int]:
+        """(attention heads, video tokens of one sample): what a sequence-parallel size must divide."""
+        _, frames, height, width = self.latent_shape()
+        p_t, p_h, p_w = self.patch_size()
+        return self.pipeline.transformer.config.num_attention_heads, (frames // p_t) * (height // p_h) * (width // p_w)
+
+    def context_parallel_plan(self) -> dict | None:
+        """Where diffusers' context parallelism splits and gathers the tokens; None: the model's own ``_cp_plan``."""
+        return None
+
+    def enable_sequence_parallel(self, mesh) -> None:
+        """Split every transformer forward's video tokens over the ``ulysses`` ranks of ``mesh``
+        (``core.distributed.init_sequence_parallel``): diffusers' context parallelism with Ulysses attention, forward
+        and backward. Each rank computes its share of the tokens; the output is gathered, so every rank of the group
+        gets the whole velocity. Call it after LoRA is added (the hooks sit on the modules LoRA may wrap)."""
+        from diffusers import ContextParallelConfig
+
+        size = mesh["ulysses"].size()
+        check_sequence_split(*self.attention_layout(), size)
+        with _cpu_counts_as_a_device():
+            self.pipeline.transformer.enable_parallelism(
+                config=ContextParallelConfig(ulysses_degree=size, mesh=mesh), cp_plan=self.context_parallel_plan()
+            )
+
     def latent_shape(self) -> tuple[int, ...]:
         p = self.pipeline
         frames = (self.num_frames - 1) // p.vae_scale_factor_temporal + 1
@@ -152,6 +184,29 @@ class DiffusersAdapter(VideoModelAdapter):
             self.height // p.vae_scale_factor_spatial,
             self.width // p.vae_scale_factor_spatial,
         )
+
+
+def check_sequence_split(heads: int, tokens: int, size: int) -> None:
+    """Ulysses gives each of ``size`` ranks all tokens of heads/size heads, and each an equal share of the tokens."""
+    if heads % size:
+        raise UserError(f"parallel.sequence_parallel_size={size} does not divide the model's {heads} attention heads")
+    if tokens % size:
+        raise UserError(
+            f"parallel.sequence_parallel_size={size} does not divide the {tokens} video tokens of a sample "
+            "(set by the model's height, width and num_frames)"
+        )
+
+
+@contextmanager
+def _cpu_counts_as_a_device():
+    """diffusers 0.42 places each rank on device ``rank % torch.accelerator.device_count()``
+    (``ModelMixin._resolve_parallel_config``), a division by zero without an accelerator: there, count the CPU as one
+    device (the CPU is the device every rank uses then)."""
+    if torch.accelerator.device_count():
+        yield
+        return
+    with mock.patch.object(torch.accelerator, "device_count", return_value=1):
+        yield
 
 
 def frames_to_uint8(frames: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,12 @@ transformer call (the pipeline makes two), which is faster and does not change t
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
 from diffusers.guiders.guider_utils import rescale_noise_cfg
+from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.embeddings import apply_rotary_emb
 
 from .base import DiffusersAdapter, PromptEmbeddings, frames_to_uint8
 
@@ -23,6 +27,61 @@ _TEXT_INPUTS = (
 )
 
 
+# Where diffusers' context parallelism splits HunyuanVideo 1.5's tokens (diffusers 0.42 ships no ``_cp_plan`` for it):
+# the dual-stream blocks attend over [video tokens, text tokens] jointly, so both streams are split K ways at the first
+# block (with the text's padding mask), RoPE's per-video-token tables alike; the output projection gathers the video.
+_CP_PLAN = {
+    "rope": {
+        0: ContextParallelInput(split_dim=0, expected_dims=2, split_output=True),
+        1: ContextParallelInput(split_dim=0, expected_dims=2, split_output=True),
+    },
+    "transformer_blocks.0": {
+        "hidden_states": ContextParallelInput(split_dim=1, expected_dims=3),
+        "encoder_hidden_states": ContextParallelInput(split_dim=1, expected_dims=3),
+        "attention_mask": ContextParallelInput(split_dim=1, expected_dims=2),
+    },
+    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+}
+
+
+class UlyssesAttnProcessor:
+    """HunyuanVideo15AttnProcessor2_0 (diffusers 0.42) with a key-padding mask instead of its [S, S] query x key mask,
+    which Ulysses attention cannot gather (it all-gathers masks of the local key length only). The outputs of real
+    tokens are the same: a padded text token is masked as a key in every block, so its own (query) row is never read
+    by a real token, and the output projection keeps only the video tokens."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        query, key, value = (_heads(attn, proj(hidden_states)) for proj in (attn.to_q, attn.to_k, attn.to_v))
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        text = [
+            _heads(attn, proj(encoder_hidden_states)) for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+        ]
+        text[0], text[1] = attn.norm_added_q(text[0]), attn.norm_added_k(text[1])
+        query, key, value = (torch.cat(pair, dim=1) for pair in zip((query, key, value), text))
+        batch, length = query.shape[:2]
+        keys_kept = F.pad(attention_mask.bool(), (length - attention_mask.shape[1], 0), value=True)
+        out = dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=keys_kept.view(batch, 1, 1, length),
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        out = out.flatten(2, 3).to(query.dtype)
+        video, text_out = out[:, : hidden_states.shape[1]], out[:, hidden_states.shape[1] :]
+        return attn.to_out[1](attn.to_out[0](video)), attn.to_add_out(text_out)
+
+
+def _heads(attn, projected: torch.Tensor) -> torch.Tensor:
+    return projected.unflatten(2, (attn.heads, -1))
+
+
 class HunyuanVideo15Adapter(DiffusersAdapter):
     """Text-to-video with HunyuanVideo 1.5.
 
@@ -30,6 +89,8 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
     branch entirely. The pipeline's guider is replaced by one with the adapter's scale, so that calling the pipeline
     itself (benchmarks, the correctness tests) samples the same distribution as our rollout.
     """
+
+    sequence_parallel_size = 1  # K, set by enable_sequence_parallel
 
     def __init__(
         self,
@@ -88,6 +149,19 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
     def latent_channels(self) -> int:
         return self.pipeline.num_channels_latents
 
+    def patch_size(self) -> tuple[int, int, int]:
+        config = self.pipeline.transformer.config
+        return config.patch_size_t, config.patch_size, config.patch_size
+
+    def context_parallel_plan(self) -> dict:
+        return _CP_PLAN
+
+    def enable_sequence_parallel(self, mesh) -> None:
+        for block in self.pipeline.transformer.transformer_blocks:  # the text refiner's attention runs unsplit
+            block.attn.set_processor(UlyssesAttnProcessor())
+        super().enable_sequence_parallel(mesh)
+        self.sequence_parallel_size = mesh["ulysses"].size()
+
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeddings:
         positive = self._encode(prompts)
@@ -121,7 +195,7 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
         hidden_states = self._t2v_model_input(latents.to(device, dtype)).repeat(branches, 1, 1, 1, 1)
         # Exactly the pipeline's timestep: float32 sigma times num_train_timesteps, then cast to the model dtype.
         timestep = (sigma.to(device, torch.float32) * self.num_train_timesteps).to(dtype).repeat(branches)
-        text_inputs = {k: torch.cat([c[k] for c in conditions]) for k in _TEXT_INPUTS}
+        text_inputs = self._split_evenly({k: torch.cat([c[k] for c in conditions]) for k in _TEXT_INPUTS})
         prediction = model(
             hidden_states=hidden_states,
             timestep=timestep,
@@ -130,6 +204,23 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
             **text_inputs,
         )[0]
         return self._guide(*prediction.float().split(batch))
+
+    def _split_evenly(self, text: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Under sequence parallelism the text tokens (image, ByT5 and Qwen tokens together) are split K ways too:
+        pad the Qwen tokens with masked zeros to a multiple of K. Masked tokens are inert: keys no token attends to."""
+        size = self.sequence_parallel_size
+        tokens = (
+            self.pipeline.vision_num_semantic_tokens
+            + text["encoder_hidden_states"].shape[1]
+            + text["encoder_hidden_states_2"].shape[1]
+        )
+        missing = -tokens % size
+        if not missing:
+            return text
+        padded = dict(text)
+        padded["encoder_hidden_states"] = F.pad(text["encoder_hidden_states"], (0, 0, 0, missing))
+        padded["encoder_attention_mask"] = F.pad(text["encoder_attention_mask"], (0, missing))
+        return padded
 
     def _t2v_model_input(self, latents: torch.Tensor) -> torch.Tensor:
         """[latents, zero condition latents, zero mask] on channels: how the pipeline tells the model 'no image'."""

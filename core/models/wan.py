@@ -68,6 +68,9 @@ class WanAdapter(DiffusersAdapter):
     def latent_channels(self) -> int:
         return self.pipeline.transformer.config.in_channels
 
+    def patch_size(self) -> tuple[int, int, int]:
+        return tuple(self.pipeline.transformer.config.patch_size)
+
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeddings:
         positive, _ = self._encode(prompts)
