@@ -1,0 +1,181 @@
+"""README.md and docs/ stay true: every command they show is run by a test or by CI, README's config example loads
+and validates, its tour names modules that exist, and every link between the pages resolves.
+
+A command is a line of a ```bash, ```sh or ```console block (in a console block, the lines after a ``$`` prompt). A
+command that no test can run (a launch on 8 GPUs, a Slurm submission) belongs in a ```text block, said to be an
+example. A new command in a shell block fails here until RUN_BY names what runs it.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from sage_grpo.pipeline.config import load_run_config
+
+pytestmark = [pytest.mark.unit]
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+CI = ROOT / ".ci" / "run"
+SHELL_LANGUAGES = {"bash", "sh", "console"}
+FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
+README_MAX_LINES = 120
+
+# A shown command, or its first words -> what runs it: "FILE::FUNCTION" (a test) or ".ci/run: TEXT" (a CI step; TEXT
+# is a line of .ci/run). The longest matching entry answers for a command.
+RUN_BY = {
+    # scripts/demo.sh: setup.sh, then `sagegrpo run configs/demo.yaml --fresh-start` (checked below), as this test runs.
+    "scripts/demo.sh": (
+        "tests/integration/test_demo_trust_region.py::test_the_demo_measures_its_trust_region_and_steers_lambda"
+    ),
+    "scripts/test.sh": ".ci/run: exec scripts/test.sh -q",
+    "sagegrpo config configs/demo.yaml": (
+        "tests/unit/test_cli.py::test_config_prints_the_validated_config_with_defaults_and_masked_secrets"
+    ),
+    "sagegrpo env": "tests/unit/test_cli.py::test_env_reports_versions_and_devices",
+    "sagegrpo inspect-sde": "tests/unit/test_cli_inspect_sde.py::test_json_output_has_every_step_and_equalized_scales",
+    "sagegrpo check-reward": "tests/unit/test_custom_reward_example.py::test_the_example_snippet_passes_check_reward",
+    "sagegrpo run configs/demo.yaml": (
+        "tests/integration/test_pipeline_run.py::test_demo_single_process_against_mlflow_server"
+    ),
+    "sagegrpo run configs/demo.yaml --resume auto": (
+        "tests/integration/test_resume.py::test_stop_and_resume_equals_the_straight_run"
+    ),
+    "sagegrpo export configs/demo.yaml --checkpoint auto": (
+        "tests/integration/test_resume.py::test_a_checkpoint_exports_as_the_run_end_did_and_another_run_is_refused_the_root"
+    ),
+    "sagegrpo preflight configs/demo.yaml": (
+        "tests/integration/test_preflight.py::test_demo_passes_every_check_and_writes_nothing_into_the_run"
+    ),
+    "sagegrpo plan": "tests/unit/test_memory_plan.py::test_plan_command_is_registered_with_the_documented_flags",
+    "deepspeed --num_gpus 2 --module sage_grpo.pipeline.cli run configs/demo.yaml": (
+        "tests/integration/test_pipeline_run.py::test_demo_two_processes_under_the_deepspeed_launcher"
+    ),
+    "torchrun --nproc-per-node=2 -m sage_grpo.pipeline.cli run configs/demo.yaml": (
+        "tests/integration/test_universal_resume.py::test_two_ranks_then_one_then_two_continue_one_run"
+    ),
+    "kubectl kustomize infra/k8s/overlays/prod": '.ci/run: kubectl kustomize "$overlay"',
+}
+
+
+def _blocks(page: Path) -> list[tuple[str, str]]:
+    return [(match[1], match[2]) for match in FENCE.finditer(page.read_text())]
+
+
+def _commands_in(language: str, body: str) -> list[str]:
+    lines = body.replace("\\\n", " ").splitlines()
+    if language == "console":
+        lines = [line.removeprefix("$ ") for line in lines if line.startswith("$ ")]
+    return [" ".join(shlex.split(line, comments=True)) for line in lines if shlex.split(line, comments=True)]
+
+
+def shown_commands() -> list[tuple[str, str]]:
+    """(page, command) for every command in a shell block of README.md and docs/*.md."""
+    return [
+        (page.relative_to(ROOT).as_posix(), command)
+        for page in PAGES
+        for language, body in _blocks(page)
+        if language in SHELL_LANGUAGES
+        for command in _commands_in(language, body)
+    ]
+
+
+def runner_of(command: str) -> str | None:
+    words = command.split()
+    matches = [key for key in RUN_BY if words[: len(key.split())] == key.split()]
+    return RUN_BY[max(matches, key=len)] if matches else None
+
+
+def test_every_shown_command_is_run_by_a_test_or_by_ci():
+    commands = shown_commands()
+    assert len(commands) >= 10, commands  # the extraction still finds the pages' commands
+    unregistered = [f"{page}: {command}" for page, command in commands if runner_of(command) is None]
+    assert not unregistered, "register these in RUN_BY with the test that runs them:\n" + "\n".join(unregistered)
+
+
+@pytest.mark.parametrize("command", sorted(RUN_BY))
+def test_each_registered_command_is_shown_and_its_runner_exists(command):
+    assert any(runner_of(shown) == RUN_BY[command] for _, shown in shown_commands()), f"{command!r} is shown nowhere"
+    runner = RUN_BY[command]
+    if runner.startswith(".ci/run: "):
+        assert runner.removeprefix(".ci/run: ") in CI.read_text(), runner
+        return
+    path, function = runner.split("::")
+    assert re.search(rf"^def {function}\(", (ROOT / path).read_text(), re.MULTILINE), runner
+
+
+def test_readme_shows_the_two_commands_and_ci_runs_its_test_command():
+    readme_commands = [command for page, command in shown_commands() if page == "README.md"]
+    assert readme_commands == ["scripts/demo.sh", "scripts/test.sh"]
+    assert CI.read_text().splitlines()[-1] == "exec scripts/test.sh -q"
+    demo = (ROOT / "scripts" / "demo.sh").read_text().splitlines()[-1]
+    assert demo == 'exec .venv/bin/sagegrpo run configs/demo.yaml --fresh-start "$@"'  # what RUN_BY's test runs
+
+
+def test_readme_is_a_front_door():
+    assert len(README.read_text().splitlines()) <= README_MAX_LINES
+
+
+def test_readme_config_example_loads_and_validates(tmp_path):
+    (example,) = [body for language, body in _blocks(README) if language == "yaml"]
+    path = tmp_path / "example.yaml"
+    path.write_text(example)
+    config = load_run_config(path)
+    assert (config.model.name, config.lora.enabled, config.sde.variant) == ("hunyuan15", True, "sage")
+    # What the README says the example leaves to the defaults.
+    assert config.trust_region.strategy == "moving"
+    assert config.deepspeed.config == "zero3"
+    assert config.update.optimizer == "adamw"
+
+
+def test_the_readme_tour_names_modules_that_exist():
+    tour = README.read_text().split("## A tour of the code", 1)[1].split("\n## ", 1)[0]
+    floor, named = None, []
+    for line in tour.splitlines():
+        if heading := re.match(r"`(pipeline|stages|core)/`", line):
+            floor = heading[1]
+        named += [(floor, name) for name in re.findall(r"`([\w/]+\.py|\w+/)`", line) if floor]
+    assert len(named) >= 30, named
+    missing = [f"{floor}/{name}" for floor, name in named if not _exists_on_floor(floor, name)]
+    assert not missing, missing
+
+
+def _exists_on_floor(floor: str, name: str) -> bool:
+    if name.rstrip("/") in {"pipeline", "stages", "core"}:
+        return True
+    return any(path.exists() for path in (ROOT / floor / name, *(ROOT / floor).glob(f"*/{name}")))
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_every_relative_link_resolves(page):
+    text = FENCE.sub("", page.read_text())
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"\w+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        assert linked.exists(), f"{page.name}: {target}"
+        if anchor and linked.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", FENCE.sub("", linked.read_text()), re.MULTILINE)
+            assert anchor in {_anchor(heading) for heading in headings}, f"{page.name}: {target}"
+
+
+def test_every_test_module_belongs_to_a_tier():
+    """docs/testing.md: `scripts/test.sh -m unit|distributed|integration` runs a tier alone, so none is left out."""
+    modules = sorted((ROOT / "tests").glob("*/test_*.py"))
+    untiered = [
+        module.relative_to(ROOT).as_posix()
+        for module in modules
+        if not re.search(r"pytest\.mark\.(unit|distributed|integration)\b", module.read_text())
+    ]
+    assert modules and not untiered, untiered
