@@ -20,7 +20,7 @@ from sage_grpo.core.grpo import group_advantages
 from sage_grpo.core.models.tiny import tiny_hunyuan15
 from sage_grpo.stages.engine import build_engine
 from sage_grpo.stages.rollout import SDEConfig, generate
-from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater, accumulation_steps
+from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater
 
 
 def _bytes(tensors) -> int:
@@ -65,7 +65,7 @@ def main() -> None:
     engine = build_engine(
         adapter.transformer,
         config,
-        accumulation_steps=accumulation_steps(len(mine) * group, group, int(rollout.trained_steps.sum())),
+        accumulation_steps=config.accumulation_steps(len(mine) * group, int(rollout.trained_steps.sum())),
     )
     updater = Updater(engine, adapter, config, TrustRegionConfig(strategy="none"))
     rewards = torch.arange(rollout.num_samples, dtype=torch.float32)

@@ -65,27 +65,25 @@ class RunConfig(_Section):
         lora_keys = self.lora.model_fields_set - {"enabled"}
         if not self.lora.enabled and lora_keys:
             raise ValueError(f"lora.{sorted(lora_keys)[0]} is set but lora.enabled is false")
-        samples = self.rollout.prompts_per_rank * self.rollout.group_size
-        if samples % self.update.micro_batch_size:
-            raise ValueError(
-                f"update.micro_batch_size={self.update.micro_batch_size} does not divide the "
-                f"{samples} samples per rank (rollout.prompts_per_rank x rollout.group_size)"
-            )
         if self.registry.model_name and not self.tracking.enabled:
             raise ValueError("registry.model_name needs tracking.enabled: versions are registered in MLflow")
         if self.sde.variant == "ode":
             raise ValueError("sde.variant=ode has no log-probabilities to train on; use dance, flow, cps or sage")
-        trained = int(self.sde.trained_steps_mask().sum())
         # The JSON against this run's values (the world size is checked when the engine is built).
         engine_config = deepspeed_config(
             self.deepspeed.config,
             micro_batch_size=self.update.micro_batch_size,
-            accumulation_steps=self.update.accumulation_steps(samples, trained),
+            accumulation_steps=self.accumulation_steps,
             max_grad_norm=self.update.gradient_clipping,
             bf16=self.deepspeed.use_bf16(),
         )
         check_optimizer_fits(self.update.optimizer, engine_config)
         return self
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-steps per optimizer update for this rollout and schedule (``UpdateConfig.accumulation_steps``)."""
+        return self.update.accumulation_steps(self.rollout.samples_per_rank, self.sde.trained_step_count)
 
     @property
     def output_dir(self) -> Path:

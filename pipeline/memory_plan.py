@@ -437,10 +437,10 @@ def plan_for(config, gpus_per_node: int, nodes: int, gpu_mem_gb: float) -> Memor
         int(video.get("width", 848)),
     )
     cfg_branches = 2 if model.guidance_scale > 1 else 1
-    samples = config.rollout.prompts_per_rank * config.rollout.group_size
+    samples = config.rollout.samples_per_rank
     latent_elements = shape.latent_channels * video_tokens(frames, height, width)
     rollout = rollout_bytes(samples, config.sde.steps, latent_elements)
-    trained = int(config.sde.trained_steps_mask().sum()) * samples // update.updates_per_rollout
+    trained = config.sde.trained_step_count * samples // update.updates_per_rollout
     region = config.trust_region.region()
     lagged = region.uses_stepwise_kl and config.trust_region.velocity_estimator == "lagged"
     references = reference_bytes(trained, latent_elements, int(region.needs_anchor) + int(lagged))

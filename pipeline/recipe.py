@@ -178,22 +178,20 @@ class SageGRPORecipe:
     def _derived_params(self) -> dict[str, int]:
         """What the config implies at this scale: the numbers a comparison between runs needs."""
         config, module = self.config, self.policy.engine.module
-        samples = config.rollout.prompts_per_rank * config.rollout.group_size
         return {
             "derived.world_size": distributed.world_size(),
-            "derived.effective_batch": samples * distributed.world_size(),
+            "derived.effective_batch": config.rollout.samples_per_rank * distributed.world_size(),
             "derived.trainable_parameters": sum(_numel(p) for p in module.parameters() if p.requires_grad),
             "derived.total_parameters": sum(_numel(p) for p in module.parameters()),
-            "derived.trained_steps": int(config.sde.trained_steps_mask().sum()),
+            "derived.trained_steps": config.sde.trained_step_count,
         }
 
     def header(self) -> str:
         """What a person checks before walking away from a run: scale, batch, what trains, how long."""
         config, derived = self.config, self._derived_params()
-        samples = config.rollout.prompts_per_rank * config.rollout.group_size
         start = f"resuming after iteration {self.progress.iteration}" if self.progress.iteration else "from the start"
         return (
-            f"run {config.run.name}: {distributed.world_size()} rank(s) x {samples} samples "
+            f"run {config.run.name}: {distributed.world_size()} rank(s) x {config.rollout.samples_per_rank} samples "
             f"({config.rollout.prompts_per_rank} prompts x G={config.rollout.group_size}) = "
             f"{derived['derived.effective_batch']} videos per iteration; {derived['derived.trained_steps']} of "
             f"{config.sde.steps} steps trained; {derived['derived.trainable_parameters']:,} of "
@@ -536,17 +534,15 @@ def build_policy(config: RunConfig) -> Policy:
         add_lora(adapter.transformer, config.lora)
     else:
         adapter.transformer.requires_grad_(True)
-    trained = int(config.sde.trained_steps_mask().sum())
-    samples = config.rollout.prompts_per_rank * config.rollout.group_size
     engine = build_engine(
         adapter.transformer,
         config.update,
-        accumulation_steps=config.update.accumulation_steps(samples, trained),
+        accumulation_steps=config.accumulation_steps,
         deepspeed_config_name=config.deepspeed.config,
         bf16=config.deepspeed.use_bf16(),
         zero3_leaf_modules=config.deepspeed.zero3_leaf_modules,
     )
-    return Policy(adapter, engine, Updater(engine, adapter, config.update, config.trust_region))
+    return Policy(adapter, engine, Updater(engine, adapter, config.update, config.trust_region, seed=config.seed))
 
 
 def _numel(param: torch.nn.Parameter) -> int:

@@ -96,7 +96,6 @@ class UpdateConfig(BaseModel):
     advantage_clip: float = Field(5.0, gt=0)
     global_std: bool = False
     gradient_checkpointing: bool = False
-    seed: int = Field(0, ge=0, lt=2**63)
 
     @model_validator(mode="after")
     def _decay_has_a_length(self) -> UpdateConfig:
@@ -123,14 +122,25 @@ class UpdateConfig(BaseModel):
         return 0.0 if self.optimizer == "muon" else self.max_grad_norm
 
     def accumulation_steps(self, samples_per_rank: int, trained_steps: int) -> int:
-        """Micro-steps per optimizer update: the DeepSpeed engine's gradient_accumulation_steps for this config."""
-        return accumulation_steps(
-            samples_per_rank,
-            self.micro_batch_size,
-            trained_steps,
-            updates_per_rollout=self.updates_per_rollout,
-            transitions_per_micro_step=self.transitions_per_micro_step,
-        )
+        """Micro-steps per optimizer update, the DeepSpeed engine's gradient_accumulation_steps: the rollout's
+        (chunk of ``micro_batch_size`` samples, trained step) transitions, grouped ``transitions_per_micro_step`` to a
+        forward, split into ``updates_per_rollout`` equal mini-batches. Each must divide exactly, or mini-batches would
+        weigh their transitions unequally: a ValueError says what to change."""
+        if samples_per_rank % self.micro_batch_size:
+            raise ValueError(
+                f"update.micro_batch_size={self.micro_batch_size} does not divide the {samples_per_rank} samples per "
+                "rank (rollout.prompts_per_rank x rollout.group_size)"
+            )
+        transitions = samples_per_rank // self.micro_batch_size * trained_steps
+        per_update = self.transitions_per_micro_step * self.updates_per_rollout
+        if transitions % per_update:
+            raise ValueError(
+                f"the {transitions} (chunk, timestep) transitions per rollout (samples per rank / "
+                f"micro_batch_size x trained steps) do not split into update.updates_per_rollout="
+                f"{self.updates_per_rollout} mini-batches of micro-steps of update.transitions_per_micro_step="
+                f"{self.transitions_per_micro_step} transitions"
+            )
+        return transitions // per_update
 
     def lr_scheduler(self, optimizer):
         """The torch scheduler DeepSpeed steps; a LambdaLR whose lambda is a pure function of the step."""
@@ -250,31 +260,6 @@ class TrustRegionConfig(BaseModel):
         )
 
 
-def accumulation_steps(
-    samples_per_rank: int,
-    micro_batch_size: int,
-    trained_steps: int,
-    *,
-    updates_per_rollout: int = 1,
-    transitions_per_micro_step: int = 1,
-) -> int:
-    """Micro-steps per optimizer update: (chunks x trained steps) transitions per rollout, grouped
-    ``transitions_per_micro_step`` to a forward, split into ``updates_per_rollout`` equal mini-batches. Each must
-    divide exactly, or mini-batches would weigh their transitions unequally: a ValueError says what to change."""
-    if samples_per_rank % micro_batch_size:
-        raise ValueError(f"{samples_per_rank} samples per rank do not split into micro batches of {micro_batch_size}")
-    transitions = samples_per_rank // micro_batch_size * trained_steps
-    per_update = transitions_per_micro_step * updates_per_rollout
-    if transitions % per_update:
-        raise ValueError(
-            f"the {transitions} (chunk, timestep) transitions per rollout (samples per rank / "
-            f"micro_batch_size x trained steps) do not split into update.updates_per_rollout="
-            f"{updates_per_rollout} mini-batches of micro-steps of update.transitions_per_micro_step="
-            f"{transitions_per_micro_step} transitions"
-        )
-    return transitions // per_update
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Advantages
 # ----------------------------------------------------------------------------------------------------------------
@@ -294,7 +279,7 @@ def _gather_rewards(rewards: list[float | None]) -> list[float | None]:
         return list(rewards)
     gathered: list[list] = [None] * distributed.world_size()
     torch.distributed.all_gather_object(gathered, [None if r is None else float(r) for r in rewards])
-    return [r for rank_rewards in gathered for r in rank_rewards]
+    return [r for rank_rewards in distributed.one_per_sequence_group(gathered) for r in rank_rewards]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -473,10 +458,12 @@ def micro_step_loss(
 class Updater:
     """Holds what persists across updates: the engine, the anchor, the lagged policy, the EMA, the KL controller and
     the counters. Under ZeRO-3 the anchor, the lagged policy and the EMA are each rank's own shards
-    (``stages/anchor.py``)."""
+    (``stages/anchor.py``). ``seed`` is the run's (the top-level ``seed``): each update's training order derives
+    from it."""
 
-    def __init__(self, engine, adapter, update_config: UpdateConfig, trust_config: TrustRegionConfig):
+    def __init__(self, engine, adapter, update_config: UpdateConfig, trust_config: TrustRegionConfig, *, seed: int = 0):
         self.engine = engine
+        self.seed = seed
         self.adapter = adapter
         self.config = update_config
         self.trust = trust_config.region()
@@ -521,7 +508,10 @@ class Updater:
                 minibatch.add(terms)
                 if measured:
                     minibatch.gradients.add(terms, self.trust)
-                self.engine.backward(terms.loss)
+                # The K ranks of a sequence-parallel group hold one sample's loss each, and each backward carries the
+                # gradient of its own tokens only; DeepSpeed averages over all ranks, so K times the loss makes the
+                # average over data-parallel groups (K = 1 without sequence parallelism).
+                self.engine.backward(terms.loss * distributed.sequence_parallel_size())
                 self.engine.step()
                 bar.update()
             skipped += self._after_update(minibatch)
@@ -586,7 +576,7 @@ class Updater:
         # The rollout's own transformer batches: the same batch composition reproduces its log-probs bit for bit.
         steps = [int(t) for t in torch.nonzero(rollout.trained_steps.cpu()).flatten()]
         pairs = [Transition(chunk, step) for chunk in rollout.batches for step in steps]
-        generator = torch.Generator().manual_seed(self.config.seed + self.updates_done)
+        generator = torch.Generator().manual_seed(self.seed + self.updates_done)
         shuffled = [pairs[i] for i in torch.randperm(len(pairs), generator=generator)]
         k = self.config.transitions_per_micro_step
         return [Transition.batched(shuffled[i : i + k]) for i in range(0, len(shuffled), k)]
@@ -770,11 +760,9 @@ def model_forward_flops(module: torch.nn.Module, adapter) -> float:
 
 def timestep_weights(rollout, *, equalize: bool) -> torch.Tensor:
     """Per-step loss weights: the equalizer's S_t over the trained steps, or 1 on them when it is off."""
-    trained = rollout.trained_steps.cpu()
     if not equalize:
-        return trained.float()
-    config = rollout.sde_config
-    return sde.balance_factors(config.sde_variant, rollout.sigmas.cpu(), config.eta, trained=trained).float()
+        return rollout.trained_steps.cpu().float()
+    return rollout.sde_config.step_weights(rollout.sigmas.cpu())
 
 
 def timestep_gradient_norms(adapter, rollout, *, equalize: bool, samples: torch.Tensor | None = None):

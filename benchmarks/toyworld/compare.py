@@ -41,12 +41,7 @@ from sage_grpo.core.grpo import group_advantages
 from sage_grpo.core.rewards.base import VideoBatch, weighted_total
 from sage_grpo.stages.engine import build_engine
 from sage_grpo.stages.rollout import SDEConfig, generate
-from sage_grpo.stages.update import (
-    TrustRegionConfig,
-    UpdateConfig,
-    Updater,
-    accumulation_steps,
-)
+from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater
 
 from . import world
 from .model import train_used_weights
@@ -196,19 +191,18 @@ class CappedEqualizerUpdater(Updater):
 def _updater(adapter, config: Config, seed: int) -> Updater:
     samples = len(config.captions) * config.group_size
     update_config = UpdateConfig(
-        learning_rate=config.learning_rate, micro_batch_size=samples, seed=seed, equalizer=config.equalizer != "off"
+        learning_rate=config.learning_rate, micro_batch_size=samples, equalizer=config.equalizer != "off"
     )
     trust_config = TrustRegionConfig(strategy=config.kl, anchor_interval=config.anchor_interval)
-    trained_steps = int(config.sde().trained_steps_mask().sum())
     engine = build_engine(
         adapter.transformer,
         update_config,
         deepspeed_config_name=config.deepspeed_config,
-        accumulation_steps=accumulation_steps(samples, samples, trained_steps),
+        accumulation_steps=update_config.accumulation_steps(samples, config.sde().trained_step_count),
     )
     if config.equalizer == "cap":
-        return CappedEqualizerUpdater(engine, adapter, update_config, trust_config, cap=config.equalizer_cap)
-    return Updater(engine, adapter, update_config, trust_config)
+        return CappedEqualizerUpdater(engine, adapter, update_config, trust_config, seed=seed, cap=config.equalizer_cap)
+    return Updater(engine, adapter, update_config, trust_config, seed=seed)
 
 
 def _mean(values) -> float:

@@ -41,7 +41,7 @@ class Toy(torch.nn.Module):
 def engine_for(stage: str, kind: str, seed: int):
     return build_engine(
         Toy(kind, seed),
-        UpdateConfig(learning_rate=1e-2, micro_batch_size=1, seed=0),
+        UpdateConfig(learning_rate=1e-2, micro_batch_size=1),
         accumulation_steps=1,
         deepspeed_config_name=stage,
     )

@@ -46,7 +46,7 @@ def build(
     else:
         adapter.transformer.requires_grad_(True)
     rollout = generate(adapter, PROMPTS, 2, SDE, seed=7, batch_size=1, progress=False)
-    config = UpdateConfig(**{"learning_rate": 1e-2, "micro_batch_size": 1, "seed": 3, **options})
+    config = UpdateConfig(**{"learning_rate": 1e-2, "micro_batch_size": 1, **options})
     engine = build_engine(
         adapter.transformer,
         config,
@@ -55,7 +55,7 @@ def build(
         zero3_leaf_modules=zero3_leaf_modules,
     )
     trust_region = TrustRegionConfig(**{"strategy": "dual", **(trust or {})})
-    updater = Updater(engine, adapter, config, trust_region)
+    updater = Updater(engine, adapter, config, trust_region, seed=3)
     if not measured:  # the gradient ratio's autograd passes left out, to show they change nothing of the training
         updater._strength_measurable = lambda: False
     return updater, rollout

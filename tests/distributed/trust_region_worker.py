@@ -20,7 +20,7 @@ from sage_grpo.core.models.tiny import tiny_hunyuan15
 from sage_grpo.stages.anchor import Anchor
 from sage_grpo.stages.engine import build_engine
 from sage_grpo.stages.rollout import SDEConfig, generate, score_transition
-from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater, accumulation_steps
+from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater
 
 PROMPTS = ["a red ball bouncing", "a blue car driving at night"]
 GROUP = 4
@@ -43,15 +43,15 @@ def train(trust: dict, updates: int) -> dict:
     torch.manual_seed(0)
     adapter = tiny_hunyuan15(seed=0)
     adapter.transformer.requires_grad_(True)
-    config = UpdateConfig(learning_rate=3e-3, micro_batch_size=GROUP, seed=1)
+    config = UpdateConfig(learning_rate=3e-3, micro_batch_size=GROUP)
     samples = len(PROMPTS) * GROUP
     engine = build_engine(
         adapter.transformer,
         config,
-        accumulation_steps=accumulation_steps(samples, GROUP, int(SDE.trained_steps_mask().sum())),
+        accumulation_steps=config.accumulation_steps(samples, SDE.trained_step_count),
     )
     start = Anchor.snapshot(engine.module)
-    updater = Updater(engine, adapter, config, TrustRegionConfig(**trust))
+    updater = Updater(engine, adapter, config, TrustRegionConfig(**trust), seed=1)
     probe = generate(adapter, PROMPTS, 2, SDE, seed=999, batch_size=GROUP, decode=False, progress=False)
     history = []
     for k in range(updates):

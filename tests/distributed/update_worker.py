@@ -21,7 +21,7 @@ from sage_grpo.core.lora import LoraConfig, add_lora
 from sage_grpo.core.models.tiny import tiny_hunyuan15
 from sage_grpo.stages.engine import build_engine
 from sage_grpo.stages.rollout import SDEConfig, generate
-from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater, accumulation_steps
+from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater
 
 PROMPTS = ["a red ball bouncing", "a blue car driving at night"]
 GROUP_SIZE = 2
@@ -65,18 +65,18 @@ def main():
     local_advantages = group_advantages(rewards, local_rollout.group_ids)
     samples_per_rank = per_rank * GROUP_SIZE
 
-    update_config = UpdateConfig(learning_rate=1e-3, micro_batch_size=1, seed=3)
+    update_config = UpdateConfig(learning_rate=1e-3, micro_batch_size=1)
     trust_config = TrustRegionConfig(strategy="dual", anchor_interval=2)
     steps = int(local_rollout.trained_steps.sum())
     engine = build_engine(
         adapter.transformer,
         update_config,
         deepspeed_config_name=args.deepspeed_config,
-        accumulation_steps=accumulation_steps(samples_per_rank, 1, steps),
+        accumulation_steps=update_config.accumulation_steps(samples_per_rank, steps),
     )
     frozen_before = gathered_state(engine.module, trainable=False)
     trainable_before = gathered_state(engine.module, trainable=True)
-    updater = Updater(engine, adapter, update_config, trust_config)
+    updater = Updater(engine, adapter, update_config, trust_config, seed=3)
 
     history = []
     for update in range(1, args.updates + 1):

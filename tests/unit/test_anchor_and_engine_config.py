@@ -7,7 +7,7 @@ import torch
 
 from sage_grpo.stages.anchor import Anchor
 from sage_grpo.stages.engine import deepspeed_config
-from sage_grpo.stages.update import UpdateConfig, accumulation_steps
+from sage_grpo.stages.update import UpdateConfig
 
 pytestmark = pytest.mark.unit
 
@@ -109,20 +109,19 @@ def test_every_shipped_deepspeed_config_loads(name):
 
 
 def test_accumulation_counts_micro_steps_per_update():
-    assert accumulation_steps(8, 2, 19) == 76
-    with pytest.raises(ValueError):
-        accumulation_steps(3, 2, 19)
+    assert UpdateConfig(micro_batch_size=2).accumulation_steps(8, 19) == 76
+    with pytest.raises(ValueError, match="micro_batch_size=2 does not divide the 3 samples"):
+        UpdateConfig(micro_batch_size=2).accumulation_steps(3, 19)
 
 
 def test_accumulation_divides_the_rollout_into_equal_mini_batches_of_batched_transitions():
     # 8 samples, micro batch 2 -> 4 chunks x 6 steps = 24 transitions; 2 per forward, 3 updates: 4 micro-steps each.
-    assert accumulation_steps(8, 2, 6, updates_per_rollout=3, transitions_per_micro_step=2) == 4
     config = UpdateConfig(micro_batch_size=2, updates_per_rollout=3, transitions_per_micro_step=2)
     assert config.accumulation_steps(8, 6) == 4
     with pytest.raises(ValueError, match="updates_per_rollout=5"):
-        accumulation_steps(8, 2, 6, updates_per_rollout=5)
+        UpdateConfig(micro_batch_size=2, updates_per_rollout=5).accumulation_steps(8, 6)
     with pytest.raises(ValueError, match="transitions_per_micro_step=5"):
-        accumulation_steps(8, 2, 6, transitions_per_micro_step=5)
+        UpdateConfig(micro_batch_size=2, transitions_per_micro_step=5).accumulation_steps(8, 6)
 
 
 @pytest.mark.parametrize(

@@ -190,7 +190,7 @@ def test_plan_from_a_config_reads_the_run_schema(tmp_path, counted):
     # The dual trust region's two references (anchor, lagged policy): a float32 mean per trained transition of an
     # update, 2 samples x the trained steps of the schedule; none without a trust region, one with the rollout
     # log-ratio velocity estimator, half per update with two updates per rollout.
-    trained = int(SDEConfig().trained_steps_mask().sum())
+    trained = SDEConfig().trained_step_count
     assert plan.references == 4 * 32 * memory_plan.video_tokens(33, 480, 848) * 2 * trained * 2
     assert "KL references" in text
 
