@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from sage_grpo.core import sde
+from sage_grpo.core import plotting, sde
 from sage_grpo.core.errors import UserError
 
 
@@ -42,11 +42,7 @@ def render_text(tables: dict[str, list[dict]]) -> str:
 
 
 def plot(tables: dict[str, list[dict]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plotting.pyplot()
     fig, (ax_std, ax_n) = plt.subplots(1, 2, figsize=(11, 4))
     for variant, rows in tables.items():
         steps = [r["step"] for r in rows]

@@ -32,6 +32,7 @@ from sage_grpo.core.lora import add_lora
 from sage_grpo.core.models import build_adapter
 from sage_grpo.core.progress import progress_bar
 from sage_grpo.core.tracking import Tracker, masked_config
+from sage_grpo.pipeline import report
 from sage_grpo.pipeline.checkpointer import Checkpointer, RNGState
 from sage_grpo.pipeline.config import RunConfig
 from sage_grpo.pipeline.signals import preemption_signals
@@ -451,17 +452,17 @@ class SageGRPORecipe:
         """The run's plots as PNG files: reward curves, S_t per step, KL against lambda, and the last iteration's
         reward spread per group and sample grid."""
         plots, sde = self.config.output_dir / "plots", self.config.sde
-        evaluation.plot_reward_curves(self.progress.history, plots / "reward_curves.png")
-        evaluation.plot_step_weights(
+        report.plot_reward_curves(self.progress.history, plots / "reward_curves.png")
+        report.plot_step_weights(
             sde, plots / "step_weights.png", sigmas=self.policy.adapter.sigma_schedule(sde.steps, sde.shift).cpu()
         )
-        evaluation.plot_kl_and_lambda(
+        report.plot_kl_and_lambda(
             self.progress.history, plots / "kl_lambda.png", kl_target=self.config.trust_region.kl_target
         )
         if self.last_batch is not None:
             videos, groups, rewards, advantages = self.last_batch
-            evaluation.plot_group_rewards(rewards, groups, plots / "group_rewards.png", self.progress.iteration)
-            evaluation.plot_sample_grid(videos, groups, rewards, advantages, plots / "samples.png")
+            report.plot_group_rewards(rewards, groups, plots / "group_rewards.png", self.progress.iteration)
+            report.plot_sample_grid(videos, groups, rewards, advantages, plots / "samples.png")
         return plots
 
     def publish(self) -> Path:

@@ -1,15 +1,11 @@
 """Stage 6, evaluation: held-out prompts, fixed seeds, deterministic sampling, every reward dimension and the
-independent metrics; sample videos, frame grids, a per-prompt table and the plots users look at.
+independent metrics; sample videos, frame grids and a per-prompt table (the run's plots: ``pipeline/report.py``).
 
 Recipe: sample each held-out prompt once with the ODE sampler (the same seeds every time, so evaluations are
 comparable across iterations and runs) -> score with the training rewards and the extra metrics -> write a few
 videos (MP4 where an encoder is installed, else GIF) -> return the mean of every dimension, each prompt's scores and
 its first, middle and last frames. :func:`log_samples` sends those to MLflow as an image series (a step slider in
 the UI) and a table that grows by one block of rows per evaluation.
-
-Plots (PNG files, plain data in): the reward curves, S_t per denoising step for the configured schedule, the KL
-against lambda over iterations, the reward spread of each group, and a grid of training samples with their reward
-and advantage.
 
 Every rank runs the same sampling (under ZeRO-3 a forward is a collective, so all ranks must take part);
 scoring and writing happen where ``write`` is true (rank 0).
@@ -27,7 +23,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from sage_grpo.core import sde
+from sage_grpo.core import plotting
 from sage_grpo.core.rewards.base import VideoBatch
 from sage_grpo.core.rewards.registry import RewardSpec
 from sage_grpo.stages.rollout import SDEConfig, generate
@@ -128,7 +124,7 @@ def log_samples(tracker, evaluation: Evaluation, iteration: int, video_dir: str)
     if evaluation.frames is None:
         return
     rewards = evaluation.scores.get("reward", [None] * len(evaluation.prompts))
-    labels = [f"{prompt[:60]}  reward {_shown(reward)}" for prompt, reward in zip(evaluation.prompts, rewards)]
+    labels = [f"{prompt[:60]}  reward {score_text(reward)}" for prompt, reward in zip(evaluation.prompts, rewards)]
     tracker.log_image(frame_grid(evaluation.frames, labels), key="eval/frames", step=iteration)
     tracker.log_table(eval_table(evaluation, iteration, video_dir), EVAL_TABLE)
 
@@ -140,18 +136,19 @@ def eval_table(evaluation: Evaluation, iteration: int, video_dir: str) -> dict[s
     return {
         "iteration": [iteration] * count,
         "prompt": list(evaluation.prompts),
-        **{name: [_finite_or_none(v) for v in values] for name, values in evaluation.scores.items()},
+        **{name: [finite_or_none(v) for v in values] for name, values in evaluation.scores.items()},
         "video": videos + [""] * (count - len(videos)),
     }
 
 
-def _finite_or_none(value: float | None) -> float | None:
+def finite_or_none(value: float | None) -> float | None:
     # JSON has no nan: a missing score is null in the table, as the reward contract spells it.
     return None if value is None or not math.isfinite(value) else float(value)
 
 
-def _shown(value: float | None) -> str:
-    return "none" if _finite_or_none(value) is None else f"{value:.3g}"
+def score_text(value: float | None) -> str:
+    """A score as a label shows it: three significant digits, or "none" where there is none."""
+    return "none" if finite_or_none(value) is None else f"{value:.3g}"
 
 
 def _mean(values: list[float | None]) -> float:
@@ -173,31 +170,14 @@ def write_video(frames: torch.Tensor, fps: int, stem: Path) -> Path:
     return path
 
 
-# Plots
+# Frames
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on a training node
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    _pyplot().close(fig)
-    return path
 
 
 def frame_grid(frames: np.ndarray, labels: list[str]) -> np.ndarray:
     """uint8 [N, 3, H, W, 3] key frames -> one RGB image: a row per video (first, middle, last frame) under its
     label."""
-    plt = _pyplot()
+    plt = plotting.pyplot()
     rows = len(frames)
     fig, axes = plt.subplots(rows, 3, figsize=(7.5, 2.8 * rows), squeeze=False)
     for row, (video, label) in enumerate(zip(frames, labels)):
@@ -211,126 +191,3 @@ def frame_grid(frames: np.ndarray, labels: list[str]) -> np.ndarray:
     image = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
     plt.close(fig)
     return image
-
-
-def step_weights(sde_config: SDEConfig, sigmas: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """([T] S_t, [T] trained mask) of the schedule: the weights the update multiplies each step's loss by."""
-    sigmas = sde.flow_match_sigmas(sde_config.steps, sde_config.shift) if sigmas is None else sigmas
-    trained = sde_config.trained_steps_mask(sigmas)
-    return sde.balance_factors(sde_config.sde_variant, sigmas, sde_config.eta, trained=trained).float(), trained
-
-
-def plot_step_weights(sde_config: SDEConfig, path: Path, sigmas: torch.Tensor | None = None) -> Path:
-    """S_t, the temporal gradient equalizer's weight, per denoising step of the configured schedule (``sigmas``: the
-    model's own schedule, default the flow-matching one with the configured shift); 0 on untrained steps."""
-    weights, trained = step_weights(sde_config, sigmas)
-    fig, ax = _pyplot().subplots(figsize=(7, 3.5))
-    steps = range(len(weights))
-    ax.bar(steps, weights.tolist(), color=["tab:blue" if t else "lightgray" for t in trained.tolist()])
-    ax.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")  # the median trained step's weight
-    ax.set_xticks(list(steps)[:: max(1, len(weights) // 20)])
-    ax.set(
-        xlabel="denoising step (0 = pure noise)",
-        ylabel="S_t",
-        title=f"equalizer weight per step ({sde_config.variant}, eta {sde_config.eta:g}, shift {sde_config.shift:g})",
-    )
-    ax.grid(alpha=0.3, axis="y")
-    return _save(fig, path)
-
-
-def plot_kl_and_lambda(history: list[dict[str, float]], path: Path, kl_target: float | None = None) -> Path:
-    """``update/kl`` (left axis, log scale) and the adaptive weight ``update/lambda_kl`` (right axis) per
-    iteration: whether the controller holds the KL near its target."""
-    fig, kl_axis = _pyplot().subplots(figsize=(7, 4))
-    lambda_axis = kl_axis.twinx()
-    for axis, key, color in ((kl_axis, "update/kl", "tab:blue"), (lambda_axis, "update/lambda_kl", "tab:orange")):
-        points = _series(history, key)
-        if points:
-            axis.plot(*zip(*points), marker="o", markersize=3, color=color, label=key)
-        axis.set_ylabel(key, color=color)
-        if points and all(value > 0 for _, value in points):
-            axis.set_yscale("log")
-    if kl_target is not None:
-        kl_axis.axhline(kl_target, color="tab:blue", linestyle="--", linewidth=0.8, label="kl target")
-    kl_axis.set(xlabel="iteration", title="KL to the anchor and its weight lambda")
-    kl_axis.xaxis.set_major_locator(_integer_ticks())
-    kl_axis.legend(loc="upper left", fontsize=8)
-    kl_axis.grid(alpha=0.3)
-    return _save(fig, path)
-
-
-def _integer_ticks():
-    from matplotlib.ticker import MaxNLocator
-
-    return MaxNLocator(integer=True)  # iterations: no 1.2, 1.4
-
-
-def _series(history: list[dict[str, float]], key: str) -> list[tuple[float, float]]:
-    return [(h["iteration"], h[key]) for h in history if key in h and math.isfinite(h[key])]
-
-
-def rewards_by_group(rewards: list[float | None], group_ids: list[int]) -> dict[int, list[float]]:
-    """Each group's scored rewards (None and nan left out), groups in order of first appearance."""
-    groups: dict[int, list[float]] = {}
-    for reward, group in zip(rewards, group_ids):
-        members = groups.setdefault(int(group), [])
-        if _finite_or_none(reward) is not None:
-            members.append(float(reward))
-    return groups
-
-
-def plot_group_rewards(rewards: list[float | None], group_ids: list[int], path: Path, iteration: int) -> Path:
-    """One box per group (one prompt's G samples): the spread GRPO's advantages come from. A flat box means that
-    prompt taught nothing this iteration. Unscored samples (None/nan) are left out."""
-    groups = rewards_by_group(rewards, group_ids)
-    fig, ax = _pyplot().subplots(figsize=(max(4, 0.6 * len(groups) + 2), 4))
-    ids = sorted(groups)
-    ax.boxplot([groups[i] for i in ids], showmeans=True)
-    ax.set_xticks(range(1, len(ids) + 1), [str(i) for i in ids])
-    ax.set(xlabel="group (prompt id)", ylabel="reward", title=f"reward spread per group, iteration {iteration}")
-    ax.grid(alpha=0.3, axis="y")
-    return _save(fig, path)
-
-
-def plot_sample_grid(
-    videos: torch.Tensor,
-    group_ids: list[int],
-    rewards: list[float | None],
-    advantages: list[float],
-    path: Path,
-    max_groups: int = 4,
-) -> Path:
-    """The middle frame of each training sample, a row per group (the first ``max_groups``), titled with its reward
-    and advantage: what the update pushed towards (A > 0) and away from (A < 0)."""
-    rows: dict[int, list[int]] = {}
-    for index, group in enumerate(group_ids):
-        rows.setdefault(int(group), []).append(index)
-    shown = list(rows.items())[:max_groups]
-    columns = max(len(members) for _, members in shown)
-    plt = _pyplot()
-    fig, axes = plt.subplots(len(shown), columns, figsize=(2.2 * columns, 2.4 * len(shown)), squeeze=False)
-    middle = videos.shape[1] // 2
-    for row, (group, members) in enumerate(shown):
-        for column in range(columns):
-            ax = axes[row, column]
-            ax.set_axis_off()
-            if column < len(members):
-                i = members[column]
-                ax.imshow(videos[i, middle].cpu().numpy())
-                ax.set_title(f"group {group}  r {_shown(rewards[i])}  A {advantages[i]:+.2f}", fontsize=7)
-    return _save(fig, path)
-
-
-def plot_reward_curves(history: list[dict[str, float]], path: Path) -> Path:
-    """Training reward (mean per iteration) and every eval/* metric against the iteration."""
-    fig, ax = _pyplot().subplots(figsize=(7, 4))
-    keys = ["reward/mean"] + sorted({k for h in history for k in h if k.startswith("eval/")})
-    for key in keys:
-        points = _series(history, key)
-        if points:
-            ax.plot(*zip(*points), marker="o", label=key)
-    ax.set(xlabel="iteration", ylabel="reward", title="reward over training")
-    ax.xaxis.set_major_locator(_integer_ticks())
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)

@@ -1,13 +1,11 @@
-"""What an evaluation hands the tracker (per-prompt scores, key frames, the table rows) and the plots' data."""
+"""What an evaluation hands the tracker: per-prompt scores, key frames, the table rows and the frame grid."""
 
 import math
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from sage_grpo.core import sde
 from sage_grpo.core.models import build_adapter
 from sage_grpo.core.rewards.registry import RewardSpec
 from sage_grpo.stages import evaluate as evaluation
@@ -65,37 +63,3 @@ def test_frame_grid_shows_the_frames_one_row_per_video():
     assert one.dtype == np.uint8 and one.shape[2] == 3 and two.shape[0] > 1.5 * one.shape[0]
     pure = lambda image, channel: ((image[..., channel] > 240) & (image.sum(-1) < 300)).sum()  # noqa: E731
     assert pure(one, 0) > 0 and pure(one, 2) == 0 and pure(two, 2) > 0
-
-
-def test_step_weights_are_the_equalizers_and_zero_off_the_window():
-    config = SDEConfig(variant="sage", steps=10, shift=5.0, eta=0.5, window=(2, 7))
-    weights, trained = evaluation.step_weights(config)
-    sigmas = sde.flow_match_sigmas(10, 5.0)
-    assert trained.tolist() == [2 <= t < 7 for t in range(10)]
-    torch.testing.assert_close(weights, sde.balance_factors("sage", sigmas, 0.5, trained=trained).float())
-    assert (weights[~trained] == 0).all() and weights[trained].median() == pytest.approx(1.0, rel=1e-6)
-
-
-def test_rewards_by_group_drops_unscored_samples_and_keeps_empty_groups():
-    groups = evaluation.rewards_by_group([0.1, None, 0.3, math.nan, None, 0.9], [5, 5, 2, 2, 7, 5])
-    assert groups == {5: [0.1, 0.9], 2: [0.3], 7: []}
-
-
-def test_plots_are_png_files(tmp_path, evaluated):
-    adapter, result = evaluated
-    history = [
-        {"iteration": i, "update/kl": 1e-3 * i, "update/lambda_kl": 0.1 * i, "reward/mean": 0.1} for i in range(1, 5)
-    ]
-    videos = torch.from_numpy(np.repeat(result.frames, 2, axis=1)).repeat(2, 1, 1, 1, 1)
-    paths = [
-        evaluation.plot_step_weights(SDEConfig(steps=6), tmp_path / "st.png"),
-        evaluation.plot_kl_and_lambda(history, tmp_path / "kl.png", kl_target=1e-3),
-        evaluation.plot_group_rewards([0.1, 0.2, None, 0.5], [0, 0, 1, 1], tmp_path / "groups.png", iteration=4),
-        evaluation.plot_sample_grid(
-            videos, [0, 0, 0, 1, 1, 1], [0.1] * 6, [0.5, -0.5, 0, 1, -1, 0], tmp_path / "samples.png"
-        ),
-        evaluation.plot_reward_curves(history, tmp_path / "curves.png"),
-    ]
-    for path in paths:
-        with Image.open(path) as image:
-            assert image.format == "PNG" and min(image.size) > 100
