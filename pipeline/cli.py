@@ -1,9 +1,9 @@
-"""The ``sagegrpo`` command line. User mistakes exit 2 with one line on stderr; other failures exit 1."""
+"""The ``sagegrpo`` command line: parsing, help pages, and dispatch to ``pipeline.commands``, which does the work.
+User mistakes exit 2 with one line on stderr; other failures exit 1."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import re
 import sys
@@ -18,7 +18,7 @@ from sage_grpo.core.errors import (
     out_of_space,
 )
 from sage_grpo.core.secrets import mask_process_output, mask_uri
-from sage_grpo.pipeline.signals import retryable_signals
+from sage_grpo.pipeline import commands
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,19 +38,7 @@ def _add_inspect_sde(subparsers) -> None:
 
 
 def _inspect_sde(args) -> int:
-    from sage_grpo.core import sde
-    from sage_grpo.pipeline.inspect_sde import run
-
-    if args.variant != "all" and args.variant not in sde.VARIANTS:
-        raise UserError(f"--variant {args.variant!r} is not one of {', '.join(sde.VARIANTS)}, all")
-    if args.steps < 1:
-        raise UserError(f"--steps must be >= 1, got {args.steps}")
-    if args.eta < 0:
-        raise UserError(f"--eta must be >= 0, got {args.eta}")
-    if args.shift <= 0:
-        raise UserError(f"--shift must be > 0, got {args.shift}")
-    print(run(args.variant, args.steps, args.shift, args.eta, args.json, args.plot))
-    return 0
+    return commands.inspect_sde_command(args.variant, args.steps, args.shift, args.eta, args.json, args.plot)
 
 
 def _add_run(subparsers) -> None:
@@ -72,13 +60,9 @@ def _run(args) -> int:
     overrides = list(args.overrides)
     if args.max_iterations is not None:
         overrides.append(f"run.max_iterations={args.max_iterations}")
-    # From before the slow imports: a stop signal anywhere outside the training loop (which handles its own) exits 75.
-    with retryable_signals():
-        from sage_grpo.pipeline.commands import run_command
-
-        return run_command(
-            args.config, overrides, resume=args.resume, fresh_start=args.fresh_start, verbosity=args.verbosity
-        )
+    return commands.run_command(
+        args.config, overrides, resume=args.resume, fresh_start=args.fresh_start, verbosity=args.verbosity
+    )
 
 
 def _add_eval(subparsers) -> None:
@@ -90,9 +74,7 @@ def _add_eval(subparsers) -> None:
 
 
 def _eval(args) -> int:
-    from sage_grpo.pipeline.commands import eval_command
-
-    return eval_command(args.config, list(args.overrides), args.checkpoint, verbosity=args.verbosity)
+    return commands.eval_command(args.config, list(args.overrides), args.checkpoint, verbosity=args.verbosity)
 
 
 def _add_sample(subparsers) -> None:
@@ -107,9 +89,7 @@ def _add_sample(subparsers) -> None:
 
 
 def _sample(args) -> int:
-    from sage_grpo.pipeline.commands import sample_command
-
-    return sample_command(
+    return commands.sample_command(
         args.config, list(args.overrides), args.prompt, args.checkpoint, args.out, args.seed, verbosity=args.verbosity
     )
 
@@ -129,10 +109,9 @@ def _add_export(subparsers) -> None:
 
 
 def _export(args) -> int:
-    with retryable_signals():
-        from sage_grpo.pipeline.commands import export_command
-
-        return export_command(args.config, list(args.overrides), args.checkpoint, args.out, verbosity=args.verbosity)
+    return commands.export_command(
+        args.config, list(args.overrides), args.checkpoint, args.out, verbosity=args.verbosity
+    )
 
 
 def _add_config(subparsers) -> None:
@@ -141,17 +120,12 @@ def _add_config(subparsers) -> None:
     )
     parser.add_argument("config", help="run config YAML")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of YAML")
     parser.set_defaults(handler=_config)
 
 
 def _config(args) -> int:
-    import yaml
-
-    from sage_grpo.core.tracking import masked_config
-    from sage_grpo.pipeline.config import load_run_config
-
-    print(yaml.safe_dump(masked_config(load_run_config(args.config, list(args.overrides))), sort_keys=False), end="")
-    return 0
+    return commands.config_command(args.config, list(args.overrides), as_json=args.json)
 
 
 def _add_env(subparsers) -> None:
@@ -160,30 +134,7 @@ def _add_env(subparsers) -> None:
 
 
 def _env(args) -> int:
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
-    lines = [f"sage-grpo     {_version()}", f"python        {platform.python_version()} ({platform.platform()})"]
-    for package in ("torch", "deepspeed", "diffusers", "transformers", "peft", "mlflow", "boto3", "pydantic"):
-        try:
-            lines.append(f"{package:<13} {version(package)}")
-        except PackageNotFoundError:
-            lines.append(f"{package:<13} not installed")
-    import torch
-
-    devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    lines.append(f"cuda          {torch.version.cuda or 'none'}; devices: {', '.join(devices) or 'none (CPU)'}")
-    print("\n".join(lines))
-    return 0
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("sage-grpo")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
+    return commands.env_command()
 
 
 def _add_check_reward(subparsers) -> None:
@@ -205,14 +156,12 @@ def _add_check_reward(subparsers) -> None:
 
 
 def _check_reward(args) -> int:
-    from sage_grpo.pipeline.check_reward import check_reward, parse_size
-
-    return check_reward(
+    return commands.check_reward_command(
         args.target,
         list(args.overrides),
         data=args.data,
         num_videos=args.videos,
-        size=parse_size(args.size) if args.size else None,
+        size=args.size,
         device=args.device,
         seed=args.seed,
     )
@@ -229,9 +178,7 @@ def _add_preflight(subparsers) -> None:
 
 
 def _preflight(args) -> int:
-    from sage_grpo.pipeline.commands import preflight_command
-
-    return preflight_command(args.config, list(args.overrides), verbosity=args.verbosity)
+    return commands.preflight_command(args.config, list(args.overrides), verbosity=args.verbosity)
 
 
 def _add_serve_reward(subparsers) -> None:
@@ -251,48 +198,35 @@ def _add_serve_reward(subparsers) -> None:
 
 
 def _serve_reward(args) -> int:
-    import torch
-    from pydantic import ValidationError
-
-    from sage_grpo.core.config_loading import one_line
-    from sage_grpo.core.rewards.server import ServerSettings, load_reward_specs, serve
-
-    if not 0 <= args.port <= 65535:
-        raise UserError(f"--port must be in [0, 65535], got {args.port}")
-    try:
-        settings = ServerSettings(
-            max_body_mb=args.max_body_mb,
-            workers=args.workers,
-            read_timeout_s=args.read_timeout,
-            request_timeout_s=args.request_timeout,
-            max_batch=args.max_batch,
-            token_env=args.token_env,
-            token_file=args.token_file,
-        )
-    except ValidationError as error:
-        raise UserError(f"serve-reward: {one_line(error)}") from None
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
-    )
-    serve(load_reward_specs(args.config), args.host, args.port, device, settings)
-    return 0
+    settings = {
+        "max_body_mb": args.max_body_mb,
+        "workers": args.workers,
+        "read_timeout_s": args.read_timeout,
+        "request_timeout_s": args.request_timeout,
+        "max_batch": args.max_batch,
+        "token_env": args.token_env,
+        "token_file": args.token_file,
+    }
+    return commands.serve_reward_command(args.config, args.host, args.port, args.device, settings)
 
 
 def _add_plan(subparsers) -> None:
-    parser = subparsers.add_parser("plan", help="per-GPU memory for a config: fits or not, smallest node count")
+    parser = subparsers.add_parser("plan", help="per-GPU memory for a config: fits (exit 0) or not (1), what fits")
     parser.add_argument("config", help="run config YAML")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     parser.add_argument("--gpus-per-node", type=int, required=True)
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--gpu-mem", type=float, default=80.0, help="GB of memory per GPU (default 80)")
+    parser.add_argument(
+        "--sequence-parallel", type=int, metavar="K", help="Ulysses group size (default: the config's parallel K)"
+    )
     parser.set_defaults(handler=_plan)
 
 
 def _plan(args) -> int:
-    from sage_grpo.pipeline.commands import plan_command
-
-    return plan_command(args.config, list(args.overrides), args.gpus_per_node, args.nodes, args.gpu_mem)
+    return commands.plan_command(
+        args.config, list(args.overrides), args.gpus_per_node, args.nodes, args.gpu_mem, args.sequence_parallel
+    )
 
 
 def _add_promote(subparsers) -> None:
@@ -329,44 +263,18 @@ def _add_promote(subparsers) -> None:
 
 
 def _promote(args) -> int:
-    from mlflow import MlflowClient
-
-    from sage_grpo.core.registry import outage_is_retryable, promote
-    from sage_grpo.core.tracking import TrackingConfig, fail_fast_http
-    from sage_grpo.pipeline.config import RegistryConfig, load_run_config
-
-    if args.overrides and not args.config:
-        raise UserError(f"promote: overrides need a --config to apply to: {' '.join(args.overrides)}")
-    config = load_run_config(args.config, list(args.overrides)) if args.config else None
-    settings = config.registry if config else RegistryConfig()
-    model = args.model or settings.model_name
-    if not model:
-        raise UserError("promote needs --model, or a --config whose registry.model_name is set")
-    margin = settings.margin if args.margin is None else args.margin
-    if not margin >= 0:
-        raise UserError(f"--margin must be >= 0, got {margin}")
-    if args.tracking_uri:
-        tracking_uri = args.tracking_uri
-    elif config:
-        tracking_uri = config.tracking.resolved_uri(config.output_dir)
-    else:  # MLflow's own default would be ./mlflow.db in whatever directory this was started from
-        tracking_uri = TrackingConfig().server_uri()
-        if not tracking_uri:
-            raise UserError("promote needs --tracking-uri, MLFLOW_TRACKING_URI or a --config naming the registry")
-    fail_fast_http()  # MLflow's own retries would hold a dead server's answer for minutes
-    with outage_is_retryable(tracking_uri, "promoting"):
-        decision = promote(
-            MlflowClient(tracking_uri=tracking_uri),
-            model,
-            version=args.version,
-            primary_metric=args.primary_metric or settings.primary_metric,
-            min_improvement=margin,
-            guarded=parse_guards(args.guard) if args.guard else settings.guards,
-            min_eval_prompts=settings.min_eval_prompts if args.min_eval_prompts is None else args.min_eval_prompts,
-            dry_run=args.dry_run,
-        )
-    print(decision.summary())
-    return 0
+    return commands.promote_command(
+        args.config,
+        list(args.overrides),
+        model=args.model,
+        version=args.version,
+        primary_metric=args.primary_metric,
+        margin=args.margin,
+        guards=parse_guards(args.guard) if args.guard else None,
+        min_eval_prompts=args.min_eval_prompts,
+        dry_run=args.dry_run,
+        tracking_uri=args.tracking_uri,
+    )
 
 
 def parse_guards(specs: list[str]) -> dict[str, float]:
@@ -412,24 +320,20 @@ def _add_schedule(subparsers) -> None:
 
 
 def _schedule(args) -> int:
-    from sage_grpo.pipeline.schedule import ScheduleOptions, run_schedule
-
     if args.config_option and args.config and "=" in args.config:  # `--config C key=value`: no positional config
         args.config, args.overrides = None, [args.config, *args.overrides]
     if bool(args.config) == bool(args.config_option):
         raise UserError("schedule: give the run config once, as `sagegrpo schedule CONFIG ...` (or --config CONFIG)")
-    return run_schedule(
-        ScheduleOptions(
-            args.config or args.config_option,
-            args.prompts,
-            args.checkpoint_root,
-            args.model,
-            args.work_dir,
-            args.nproc_per_node,
-            args.date,
-            args.dry_run,
-            tuple(args.overrides),
-        )
+    return commands.schedule_command(
+        args.config or args.config_option,
+        list(args.overrides),
+        args.prompts,
+        args.checkpoint_root,
+        args.model,
+        args.work_dir,
+        args.nproc_per_node,
+        args.date,
+        args.dry_run,
     )
 
 
@@ -437,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sagegrpo", description="SAGE-GRPO fine-tuning for text-to-video diffusion models")
     # The deepspeed launcher appends --local_rank; the local rank is read from LOCAL_RANK, which it also sets.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {commands.package_version()}")
     noise = parser.add_mutually_exclusive_group()
     noise.add_argument(
         "-v",

@@ -1,5 +1,9 @@
-"""What ``sagegrpo run``, ``eval`` and ``sample`` do, between parsing and the pipeline: config, logging, the
-summary a person reads at the end. Exit codes: 0 done, 2 user error, 75 preempted (retryable), 1 failure."""
+"""What each ``sagegrpo`` command does, once ``pipeline.cli`` has parsed its command line: config, logging, the
+output a person (or ``jq``) reads. Exit codes: 0 done, 2 user error, 75 retryable, 1 failure.
+
+The command line imports this module for every command, ``--help`` included, so torch, mlflow and DeepSpeed are
+imported inside the commands that use them: help stays instant and ``config`` loads only what the config needs.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,17 @@ import math
 import os
 import sys
 import warnings
+from datetime import date
+from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from sage_grpo.core import distributed
 from sage_grpo.core.errors import UserError
-from sage_grpo.core.progress import DISABLE_ENV
 from sage_grpo.core.secrets import mask_uri
-from sage_grpo.pipeline.config import RunConfig, load_run_config
+from sage_grpo.pipeline.signals import retryable_signals
+
+if TYPE_CHECKING:
+    from sage_grpo.pipeline.config import RunConfig
 
 # Libraries whose start-up chatter and deprecation notices are not the user's to act on (at the default verbosity).
 THIRD_PARTY = (
@@ -38,6 +46,8 @@ def setup_logging(verbosity: int = 0) -> None:
     """INFO from rank 0, warnings from the others. At verbosity 0 the libraries above log warnings only and their own
     Python warnings are hidden; a user's reward package keeps its warnings. ``-v`` shows everything, ``-q`` only
     warnings and errors from the pipeline too, and no progress bars."""
+    from sage_grpo.core.progress import DISABLE_ENV
+
     main_level = logging.INFO if verbosity >= 0 else logging.WARNING
     if verbosity < 0:
         os.environ[DISABLE_ENV] = "1"  # tqdm's own switch: read by core.progress, inherited by child processes
@@ -62,18 +72,22 @@ def run_command(
     config_path: str, overrides: list[str], *, resume: str | None, fresh_start: bool = False, verbosity: int = 0
 ) -> int:
     # The summary is the only stdout: DeepSpeed prints its op builds there, and its logger writes to the stdout it
-    # finds at import (its accelerator warning among the first lines), so it is imported in here too.
-    with contextlib.redirect_stdout(sys.stderr):
-        config = load_run_config(config_path, overrides)
-        setup_logging(verbosity)
-        from sage_grpo.pipeline.recipe import SageGRPORecipe
+    # finds at import (its accelerator warning among the first lines), so it is imported in here too. The signals
+    # from before the slow imports: a stop anywhere outside the training loop (which handles its own) exits 75.
+    with retryable_signals():
+        with contextlib.redirect_stdout(sys.stderr):
+            from sage_grpo.pipeline.config import load_run_config
 
-        recipe = SageGRPORecipe(config)
-        recipe.setup(resume=resume, fresh_start=fresh_start)
-        summary = recipe.train()
-    if distributed.is_main():
-        print(_summary_text(config, summary), flush=True)
-    return summary.exit_code
+            config = load_run_config(config_path, overrides)
+            setup_logging(verbosity)
+            from sage_grpo.pipeline.recipe import SageGRPORecipe
+
+            recipe = SageGRPORecipe(config)
+            recipe.setup(resume=resume, fresh_start=fresh_start)
+            summary = recipe.train()
+        if _is_main():
+            print(_summary_text(config, summary), flush=True)
+        return summary.exit_code
 
 
 def _summary_text(config: RunConfig, summary) -> str:
@@ -108,7 +122,7 @@ def eval_command(config_path: str, overrides: list[str], checkpoint: str, verbos
     ``sagegrpo eval ... | jq`` works."""
     with contextlib.redirect_stdout(sys.stderr):
         metrics = _recipe_with_policy(config_path, overrides, checkpoint, verbosity).evaluate()
-    if distributed.is_main():
+    if _is_main():
         print(json.dumps(metrics, indent=2, sort_keys=True))
     return 0
 
@@ -132,20 +146,23 @@ def sample_command(
 
 def export_command(config_path: str, overrides: list[str], checkpoint: str, out: str | None, verbosity: int = 0) -> int:
     """The diffusers-format export of any checkpoint (``auto``: the newest verified one); prints its folder."""
-    if out:  # refused before minutes of model loading; the export checks again when it writes
-        from sage_grpo.core.export import check_replaceable
+    with retryable_signals():
+        if out:  # refused before minutes of model loading; the export checks again when it writes
+            from sage_grpo.core.export import check_replaceable
 
-        check_replaceable(out)
-    with contextlib.redirect_stdout(sys.stderr):
-        recipe = _recipe_with_policy(config_path, overrides, checkpoint, verbosity)
-        out_dir = Path(out) if out else recipe.config.output_dir / "exports" / recipe.checkpoint_name
-        recipe.export(out_dir)
-    if distributed.is_main():
-        print(out_dir.resolve())
-    return 0
+            check_replaceable(out)
+        with contextlib.redirect_stdout(sys.stderr):
+            recipe = _recipe_with_policy(config_path, overrides, checkpoint, verbosity)
+            out_dir = Path(out) if out else recipe.config.output_dir / "exports" / recipe.checkpoint_name
+            recipe.export(out_dir)
+        if _is_main():
+            print(out_dir.resolve())
+        return 0
 
 
 def _recipe_with_policy(config_path: str, overrides: list[str], checkpoint: str | None, verbosity: int):
+    from sage_grpo.pipeline.config import load_run_config
+
     config = load_run_config(config_path, overrides)
     setup_logging(verbosity)
     from sage_grpo.pipeline.recipe import SageGRPORecipe
@@ -155,24 +172,214 @@ def _recipe_with_policy(config_path: str, overrides: list[str], checkpoint: str 
     return recipe
 
 
+def _is_main() -> bool:
+    from sage_grpo.core import distributed
+
+    return distributed.is_main()
+
+
 def preflight_command(config_path: str, overrides: list[str], verbosity: int = 0) -> int:
     """Exit 0 when every check passes, 1 otherwise (the failed checks are the last lines of the table)."""
+    from sage_grpo.pipeline.config import load_run_config
+
     load_run_config(config_path, overrides)  # a config error is one line before anything is built
     setup_logging(verbosity)
     from sage_grpo.pipeline.preflight import preflight, table
 
     with contextlib.redirect_stdout(sys.stderr):
         checks = preflight(config_path, overrides)
-    if distributed.is_main():
+    if _is_main():
         print(table(checks), flush=True)
     return 1 if any(check.passed is False for check in checks) else 0
 
 
-def plan_command(config_path: str, overrides: list[str], gpus_per_node: int, nodes: int, gpu_mem_gb: float) -> int:
-    """Prints the per-GPU memory plan; building nothing, it needs no GPU."""
+def config_command(config_path: str, overrides: list[str], as_json: bool = False) -> int:
+    """Prints the resolved, validated config (defaults filled, secrets masked) as YAML, or as JSON for scripts."""
+    import yaml
+
+    from sage_grpo.core.tracking import masked_config
+    from sage_grpo.pipeline.config import load_run_config
+
+    resolved = masked_config(load_run_config(config_path, overrides))
+    print(json.dumps(resolved, indent=2) if as_json else yaml.safe_dump(resolved, sort_keys=False).rstrip("\n"))
+    return 0
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("sage-grpo")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def env_command() -> int:
+    """Prints the versions and devices a bug report needs."""
+    import platform
+
+    import torch
+
+    lines = [f"sage-grpo     {package_version()}", f"python        {platform.python_version()} ({platform.platform()})"]
+    for package in ("torch", "deepspeed", "diffusers", "transformers", "peft", "mlflow", "boto3", "pydantic"):
+        try:
+            lines.append(f"{package:<13} {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            lines.append(f"{package:<13} not installed")
+    devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    lines.append(f"cuda          {torch.version.cuda or 'none'}; devices: {', '.join(devices) or 'none (CPU)'}")
+    print("\n".join(lines))
+    return 0
+
+
+def inspect_sde_command(variant: str, steps: int, shift: float, eta: float, as_json: bool, plot: str | None) -> int:
+    """Prints the noise std, N_t and S_t per step of each SDE variant's noise schedule (a table, or JSON)."""
+    from sage_grpo.core import sde
+    from sage_grpo.pipeline.inspect_sde import run
+
+    if variant != "all" and variant not in sde.VARIANTS:
+        raise UserError(f"--variant {variant!r} is not one of {', '.join(sde.VARIANTS)}, all")
+    if steps < 1:
+        raise UserError(f"--steps must be >= 1, got {steps}")
+    if eta < 0:
+        raise UserError(f"--eta must be >= 0, got {eta}")
+    if shift <= 0:
+        raise UserError(f"--shift must be > 0, got {shift}")
+    print(run(variant, steps, shift, eta, as_json, plot))
+    return 0
+
+
+def check_reward_command(
+    target: str,
+    overrides: list[str],
+    *,
+    data: str | None,
+    num_videos: int,
+    size: str | None,
+    device: str | None,
+    seed: int,
+) -> int:
+    """Builds a reward and scores synthetic videos with real prompts; ``size`` as ``FxHxW``."""
+    from sage_grpo.pipeline.check_reward import check_reward, parse_size
+
+    video_size = parse_size(size) if size else None
+    return check_reward(target, overrides, data=data, num_videos=num_videos, size=video_size, device=device, seed=seed)
+
+
+def serve_reward_command(
+    config_path: str, host: str, port: int, device: str | None, settings: dict[str, float | int | str | None]
+) -> int:
+    """Serves the rewards of ``config_path`` over HTTP until stopped; ``settings`` are ``ServerSettings`` fields."""
+    import torch
+    from pydantic import ValidationError
+
+    from sage_grpo.core.config_loading import one_line
+    from sage_grpo.core.rewards.server import ServerSettings, load_reward_specs, serve
+
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {port}")
+    try:
+        server_settings = ServerSettings(**settings)
+    except ValidationError as error:
+        raise UserError(f"serve-reward: {one_line(error)}") from None
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
+    serve(load_reward_specs(config_path), host, port, device, server_settings)
+    return 0
+
+
+def plan_command(
+    config_path: str,
+    overrides: list[str],
+    gpus_per_node: int,
+    nodes: int,
+    gpu_mem_gb: float,
+    sequence_parallel: int | None = None,
+) -> int:
+    """Prints the per-GPU memory plan and what fits instead; building nothing, it needs no GPU. Exit 1: no fit."""
     from sage_grpo.pipeline.memory_plan import plan_from_config
 
     if gpu_mem_gb <= 0 or not math.isfinite(gpu_mem_gb):
         raise UserError(f"--gpu-mem must be a positive number of GB, got {gpu_mem_gb}")
-    print(plan_from_config(config_path, gpus_per_node, nodes, gpu_mem_gb, overrides))
+    plan = plan_from_config(config_path, gpus_per_node, nodes, gpu_mem_gb, overrides, sequence_parallel)
+    print(plan)
+    return 0 if plan.fits else 1
+
+
+def promote_command(
+    config_path: str | None,
+    overrides: list[str],
+    *,
+    model: str | None,
+    version: str | None,
+    primary_metric: str | None,
+    margin: float | None,
+    guards: dict[str, float] | None,
+    min_eval_prompts: int | None,
+    dry_run: bool,
+    tracking_uri: str | None,
+) -> int:
+    """Moves the champion alias to ``version`` (default: the challenger) if it passes the gate; prints the decision.
+    Each setting left None comes from the config's registry section, else its default."""
+    from mlflow import MlflowClient
+
+    from sage_grpo.core.registry import outage_is_retryable, promote
+    from sage_grpo.core.tracking import fail_fast_http
+    from sage_grpo.pipeline.config import RegistryConfig, load_run_config
+
+    if overrides and not config_path:
+        raise UserError(f"promote: overrides need a --config to apply to: {' '.join(overrides)}")
+    config = load_run_config(config_path, overrides) if config_path else None
+    settings = config.registry if config else RegistryConfig()
+    model = model or settings.model_name
+    if not model:
+        raise UserError("promote needs --model, or a --config whose registry.model_name is set")
+    margin = settings.margin if margin is None else margin
+    if not margin >= 0:
+        raise UserError(f"--margin must be >= 0, got {margin}")
+    tracking_uri = tracking_uri or _registry_tracking_uri(config)
+    fail_fast_http()  # MLflow's own retries would hold a dead server's answer for minutes
+    with outage_is_retryable(tracking_uri, "promoting"):
+        decision = promote(
+            MlflowClient(tracking_uri=tracking_uri),
+            model,
+            version=version,
+            primary_metric=primary_metric or settings.primary_metric,
+            min_improvement=margin,
+            guarded=settings.guards if guards is None else guards,
+            min_eval_prompts=settings.min_eval_prompts if min_eval_prompts is None else min_eval_prompts,
+            dry_run=dry_run,
+        )
+    print(decision.summary())
     return 0
+
+
+def _registry_tracking_uri(config: RunConfig | None) -> str:
+    from sage_grpo.core.tracking import TrackingConfig
+
+    if config:
+        return config.tracking.resolved_uri(config.output_dir)
+    uri = TrackingConfig().server_uri()  # not MLflow's own default: ./mlflow.db in whatever folder this started in
+    if not uri:
+        raise UserError("promote needs --tracking-uri, MLFLOW_TRACKING_URI or a --config naming the registry")
+    return uri
+
+
+def schedule_command(
+    config_path: str,
+    overrides: list[str],
+    prompts: str,
+    checkpoint_root: str,
+    model: str,
+    work_dir: str,
+    nproc_per_node: int,
+    today: date | None,
+    dry_run: bool,
+) -> int:
+    """The scheduled run (``pipeline.schedule``): newest prompts, train, promote."""
+    from sage_grpo.pipeline.schedule import ScheduleOptions, run_schedule
+
+    options = ScheduleOptions(
+        config_path, prompts, checkpoint_root, model, work_dir, nproc_per_node, today, dry_run, tuple(overrides)
+    )
+    return run_schedule(options)

@@ -1,5 +1,6 @@
 """The command line's basics: version, fast help, options and overrides in any order, the resolved config, env."""
 
+import json
 import re
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import pytest
 import yaml
 
 from sage_grpo.core.errors import UserError
-from sage_grpo.pipeline import cli
+from sage_grpo.pipeline import cli, commands
 
 pytestmark = pytest.mark.unit
 
@@ -19,7 +20,7 @@ def test_version_names_the_installed_distribution(capsys):
     with pytest.raises(SystemExit) as stopped:
         cli.main(["--version"])
     assert stopped.value.code == 0
-    assert capsys.readouterr().out.strip() == f"sagegrpo {cli._version()}"
+    assert capsys.readouterr().out.strip() == f"sagegrpo {commands.package_version()}"
 
 
 def test_help_imports_neither_torch_nor_mlflow():
@@ -60,6 +61,16 @@ def test_config_prints_the_validated_config_with_defaults_and_masked_secrets(cap
     assert resolved["update"]["micro_batch_size"] == 4  # from the YAML
     assert "clip_range" in resolved["update"]  # a default the YAML never names
     assert "hunter2" not in out and "mlflow.internal" in out
+
+
+def test_config_json_is_the_same_resolved_config(capsys):
+    overrides = ["run.max_iterations=3", "tracking.tracking_uri=http://alice:hunter2@mlflow.internal:5000"]
+    assert cli.main(["config", DEMO, *overrides]) == 0
+    as_yaml = yaml.safe_load(capsys.readouterr().out)
+    assert cli.main(["config", DEMO, *overrides, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out) == as_yaml and as_yaml["run"]["max_iterations"] == 3
+    assert "hunter2" not in out
 
 
 def test_config_errors_are_one_line_exit_2(capsys):

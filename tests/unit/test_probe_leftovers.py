@@ -127,7 +127,7 @@ PHASES = {
         "import builtins\n"
         "real_import = builtins.__import__\n"
         "def slow_import(name, *args, **kwargs):\n"
-        "    if name == 'sage_grpo.pipeline.commands':\n"
+        "    if name == 'sage_grpo.pipeline.config':\n"
         "        block(None)\n"
         "    return real_import(name, *args, **kwargs)\n"
         "builtins.__import__ = slow_import\n",
