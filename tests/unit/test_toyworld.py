@@ -1,6 +1,7 @@
 """ToyWorld benchmark: the generator is deterministic with known motion, the analytic rewards prefer valid videos to
-noise, the x0-predicting model's velocity lands on the clean video, the report's verdicts follow the seed spread, and
-the learning default moves the rewarded dimensions up within ten iterations (slow)."""
+noise, the x0-predicting model's velocity lands on the clean video, the report replaces its section in place, and
+the learning default moves the rewarded dimensions up within ten iterations (slow). The report's statistics and the
+sweep's bookkeeping: ``test_toyworld_evidence.py``."""
 
 import sys
 from pathlib import Path
@@ -74,13 +75,14 @@ def test_the_learning_default_moves_the_rewarded_dimensions_up():
     """About 60-90 s on 2 free cores once the default pretraining is cached (250 s measured at load average 9;
     fitting the pretraining first takes ~4 min, once per machine; the
     150-step quick pretraining gives a model too poor to learn from, reward 0.12). Ten iterations of the learning
-    default (SAGE, dual trust region, 16 captions x 8 samples, high-noise half, lr 1e-4): the ODE evaluation's colour
-    alignment and motion quality rise. The Setting B total needs ~30 iterations to clear its early dip (VQ falls
-    first), which is the benchmark's job, not CI's. Deterministic on a CPU at one thread."""
+    default (SAGE, moving trust region, 12 training captions x 8 samples, high-noise half, lr 1e-4): the ODE
+    evaluation's colour alignment and motion quality rise on the training captions. The Setting B total needs ~30
+    iterations to clear its early dip (VQ falls first), which is the benchmark's job, not CI's. Deterministic on a
+    CPU at one thread."""
     from benchmarks.toyworld.compare import Config, run_grpo
 
     result = run_grpo("default", Config(iterations=10, eval_every=10), seed=0)
-    before, after = result["evaluations"][0], result["evaluations"][-1]
+    before, after = result["evaluations"][0]["train"], result["evaluations"][-1]["train"]  # the trained captions
     assert after["colour"] > before["colour"] + 0.005
     assert after["MQ"] > before["MQ"] + 0.005
     assert all(h["skipped"] == 0 for h in result["history"])
@@ -109,45 +111,6 @@ def test_x0_prediction_converts_to_the_velocity_that_lands_on_the_clean_video():
         progress=False,
     )
     assert max(manifold_drift(VideoBatch.from_tensor(rollout.videos, 8))) < 0.01
-
-
-def _fake_run(arm: str, seed: int, gain: float, drift: float = 0.1) -> dict:
-    before = {"reward": 0.8, "TA": 0.4, "VQ": 0.6, "MQ": 0.2, "colour": 0.8, "direction": 0.1, "drift": 0.13}
-    after = dict(before, reward=0.8 + gain, TA=0.4 + gain)
-    history = [{"drift": drift, "reward": 0.8, "kl_grad_ratio": 0.1}] * 4
-    return {
-        "arm": arm,
-        "seed": seed,
-        "config": {},
-        "train_s": 8.0,
-        "wall_s": 10.0,
-        "history": history,
-        "evaluations": [dict(before, iteration=0, train_s=0.0), dict(after, iteration=4, train_s=8.0)],
-    }
-
-
-def test_verdicts_follow_the_seed_spread():
-    from benchmarks.toyworld.report import summarise, verdicts
-
-    runs = [_fake_run("default", s, g) for s, g in enumerate([0.05, 0.06, 0.055])]  # clearly above 0
-    runs += [_fake_run("kl none", s, g) for s, g in enumerate([0.0, 0.01, -0.01])]  # clearly below default
-    runs += [_fake_run("kl fixed", s, g) for s, g in enumerate([0.0, 0.1, 0.06])]  # overlaps the default
-    runs += [_fake_run("flow 20 steps shift 5", s, 0.0, drift=d) for s, d in enumerate([0.10, 0.11, 0.12])]
-    runs += [_fake_run("sage 20 steps shift 5", s, 0.0, drift=d) for s, d in enumerate([0.20, 0.21, 0.22])]
-    found = {c["claim"]: c["verdict"] for c in verdicts(summarise(runs))}
-    assert found[next(c for c in found if c.startswith("GRPO with SAGE"))] == "agrees"
-    assert found["The dual moving trust region gains more reward than no KL"] == "agrees"
-    assert found["The dual moving trust region gains more reward than a fixed anchor"] == "inconclusive"
-    # SAGE's rollouts drift more here: the manifold claim is contradicted, not confirmed.
-    assert found[next(c for c in found if c.startswith("SAGE's manifold-aware"))] == "disagrees"
-    assert found["The temporal gradient equalizer improves training (reward gain, on vs off)"] == "not run"
-
-
-def test_learning_claim_needs_three_seeds():
-    from benchmarks.toyworld.report import summarise, verdicts
-
-    runs = [_fake_run("default", s, g) for s, g in enumerate([0.05, 0.06])]
-    assert verdicts(summarise(runs))[0]["verdict"] == "not run"
 
 
 def test_report_section_is_replaced_and_the_rest_kept():
