@@ -13,18 +13,27 @@ plan sees exactly the values (and defaults) a run would, and reads:
   otherwise diffusers' default config, which is the 8.3B release, is counted.
 - ``model.guidance_scale`` (1.0): above 1 the conditional and unconditional branches run as one batch, which doubles
   the activations.
-- ``model.kwargs.num_frames`` / ``height`` / ``width`` (81 x 480 x 848, the adapter's 480p default).
+- ``model.kwargs.num_frames`` / ``height`` / ``width`` (``VIDEO_DEFAULTS`` where unset: 81 x 480 x 848).
 - ``lora``: validated by ``core.lora.LoraConfig``; the adapter is really attached, on the meta device, so the
   trainable count is peft's own.
 - ``deepspeed.config`` (``zero3``): a name in ``deepspeed_configs/`` or a JSON path, for ``zero_optimization.stage``
   and the ``offload_optimizer`` / ``offload_param`` devices.
 - ``update.micro_batch_size``, ``update.gradient_checkpointing``, ``trust_region.anchor_offload``.
+- ``parallel.sequence_parallel_size`` (1; ``--sequence-parallel K`` replaces it): Ulysses sequence parallelism. Each
+  rank of a group of K carries 1/K of a sequence's tokens through the blocks, so its activations shrink by about K;
+  the rollout and the KL references do not (the K ranks of a group hold the same videos), and model states and the
+  anchor are partitioned by ZeRO-3 over all GPUs, K or not.
+
+Activations, the rollout, the KL references and the reserve are per GPU: more nodes do not shrink them, only the
+ZeRO-partitioned states. So when a plan does not fit, the planner suggests (``suggest``) the smallest K on the same
+GPUs first, and offload or more nodes only where those are what helps.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +54,8 @@ ACTIVATION_BYTES_PER_HIDDEN = 34
 # 729 SigLIP image slots (zeroed for text-to-video, but still in the sequence), the diffusers pipeline's padding.
 HUNYUANVIDEO15_CONTEXT_TOKENS = 1000 + 256 + 729
 
-# The model's video size where its config's kwargs do not set it (core/models/hunyuan15.py's defaults).
+# The video size the planner counts where the config's model.kwargs do not set it: the adapter's 81 frames
+# (core/models/hunyuan15.py) at the 480p release's default size.
 VIDEO_DEFAULTS = {"num_frames": 81, "height": 480, "width": 848}
 
 # HunyuanVideo 1.5's VAE compresses 4x in time (keeping the first frame) and 16x in space; the patch size is 1.
@@ -65,6 +75,7 @@ class TransformerShape:
     trainable_count: int
     largest_layer_params: int  # the most parameters ZeRO-3 gathers at once: a leaf block's, or one module's own
     hidden_size: int
+    num_heads: int
     num_layers: int
     latent_channels: int
 
@@ -97,6 +108,7 @@ def hunyuanvideo15_shape(
         trainable_count=trainable_count,
         largest_layer_params=largest,
         hidden_size=config.num_attention_heads * config.attention_head_dim,
+        num_heads=config.num_attention_heads,
         num_layers=config.num_layers,
         latent_channels=config.out_channels or config.in_channels,
     )
@@ -228,164 +240,285 @@ def reference_bytes(transitions_per_update: int, latent_elements: int, reference
 
 
 @dataclass(frozen=True)
-class MemoryPlan:
-    """A plan's inputs and per-GPU numbers (bytes); ``str(plan)`` is the table ``sagegrpo plan`` prints.
-    ``min_nodes``: the smallest node count at which the same setup fits, None when none up to the search limit does."""
+class Workload:
+    """What a run puts on each GPU whatever its layout: the model, one forward's sequences, one rank's rollout.
 
-    param_count: int
-    trainable_count: int
-    zero_stage: int
-    offload_optimizer: bool
-    offload_param: bool
+    ``batch`` is the sequences in one transformer call (micro-batch x CFG branches); ``rollout`` and ``references``
+    are the bytes of ``rollout_bytes`` and ``reference_bytes``, whole on every rank of a sequence-parallel group
+    (the transformer splits its tokens inside its forward and gathers its output, so the latents stay whole).
+    """
+
+    shape: TransformerShape
     lora: bool
-    gpus_per_node: int
-    nodes: int
-    gpu_mem_gb: float
     frames: int
     height: int
     width: int
-    tokens: int
-    batch: int
-    grad_checkpointing: bool
+    context_tokens: int = HUNYUANVIDEO15_CONTEXT_TOKENS
+    batch: int = 1
+    anchor_offload: bool = False
+    rollout: int = 0
+    references: int = 0
+    reserve_gb: float = DEFAULT_RESERVE_GB
+
+    @property
+    def video_tokens(self) -> int:
+        return video_tokens(self.frames, self.height, self.width)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The GPUs and the settings the planner may change to make a run fit."""
+
+    gpus_per_node: int
+    nodes: int
+    gpu_mem_gb: float
+    sequence_parallel: int = 1
+    zero_stage: int = 3
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    grad_checkpointing: bool = True
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+def tokens_per_rank(workload: Workload, sequence_parallel: int) -> int:
+    """Tokens one rank of a sequence-parallel group carries through the blocks: 1/K of the video and 1/K of the
+    text, which the adapter pads with masked tokens to a multiple of K (``core.models.hunyuan15``)."""
+    return workload.video_tokens // sequence_parallel + math.ceil(workload.context_tokens / sequence_parallel)
+
+
+def check_sequence_parallel(workload: Workload, layout: Layout) -> None:
+    """Refuse, in one line, a sequence-parallel size Ulysses cannot run: the run's own check on the heads and video
+    tokens (``core.models.base.check_sequence_split``), and groups of K that tile the GPUs."""
+    from sage_grpo.core.models.base import check_sequence_split
+
+    k = layout.sequence_parallel
+    if k < 1:
+        raise UserError(f"parallel.sequence_parallel_size must be >= 1, got {k}")
+    check_sequence_split(workload.shape.num_heads, workload.video_tokens, k)
+    if layout.gpus % k:
+        raise UserError(f"parallel.sequence_parallel_size={k} does not divide the {layout.gpus} GPUs")
+
+
+def sequence_parallel_sizes(workload: Workload, gpus_per_node: int) -> list[int]:
+    """The sizes the planner suggests, smallest first: those Ulysses runs whose groups stay inside one node (an
+    all-to-all across nodes runs at network speed on every attention)."""
+    heads, tokens = workload.shape.num_heads, workload.video_tokens
+    return [k for k in range(1, heads + 1) if not heads % k and not tokens % k and not gpus_per_node % k]
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-GPU bytes of a workload on a layout; ``str(plan)`` is what ``sagegrpo plan`` prints.
+
+    ``suggestions``: what fits instead when the plan does not (see ``suggest``), or the smallest sequence-parallel
+    size and fewest nodes that also fit when it does.
+    """
+
+    workload: Workload
+    layout: Layout
     states: ModelStates
     anchor: int
     activations_with_checkpointing: int
     activations_without_checkpointing: int
-    rollout: int
-    references: int
-    reserve: int
-    min_nodes: int | None
+    suggestions: tuple[Suggestion, ...] = ()
+
+    @property
+    def tokens_per_rank(self) -> int:
+        return tokens_per_rank(self.workload, self.layout.sequence_parallel)
 
     @property
     def activations(self) -> int:
-        if self.grad_checkpointing:
+        if self.layout.grad_checkpointing:
             return self.activations_with_checkpointing
         return self.activations_without_checkpointing
 
     @property
+    def reserve(self) -> int:
+        return int(self.workload.reserve_gb * GIB)
+
+    @property
+    def per_gpu(self) -> int:
+        """What no node count shrinks: everything but the ZeRO-partitioned model states and anchor."""
+        return self.activations + self.workload.rollout + self.workload.references + self.reserve
+
+    @property
     def total(self) -> int:
         s = self.states
-        held = self.anchor + self.activations + self.rollout + self.references
-        return s.params + s.gradients + s.optimizer + held + self.reserve
+        return s.params + s.gradients + s.optimizer + self.anchor + self.per_gpu
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.gpu_mem_gb * GIB
+        return self.total <= self.layout.gpu_mem_gb * GIB
 
     def __str__(self) -> str:
+        work, layout, shape = self.workload, self.layout, self.workload.shape
         gb = lambda n: f"{n / GIB:8.2f} GB"
-        offload = [name for name, on in (("optimizer", self.offload_optimizer), ("params", self.offload_param)) if on]
-        mode = f"LoRA ({self.trainable_count / 1e6:.1f}M trainable)" if self.lora else "full fine-tuning"
-        checkpointing = "on" if self.grad_checkpointing else "off"
+        k = layout.sequence_parallel
+        offload = [
+            name for name, on in (("optimizer", layout.offload_optimizer), ("params", layout.offload_param)) if on
+        ]
+        mode = f"LoRA ({shape.trainable_count / 1e6:.1f}M trainable)" if work.lora else "full fine-tuning"
+        checkpointing = "on" if layout.grad_checkpointing else "off"
+        verdict = "fits" if self.fits else "does NOT fit"
         alternative = (
-            self.activations_without_checkpointing if self.grad_checkpointing else self.activations_with_checkpointing
+            self.activations_without_checkpointing if layout.grad_checkpointing else self.activations_with_checkpointing
         )
         lines = [
-            f"model: {self.param_count / 1e9:.2f}B parameters, {mode}",
-            f"setup: {self.nodes} node(s) x {self.gpus_per_node} GPU(s) of {self.gpu_mem_gb:g} GB, "
-            f"ZeRO-{self.zero_stage}"
-            f", offload: {', '.join(offload) or 'none'}",
-            f"video: {self.frames} frames {self.height}x{self.width} -> {self.tokens} tokens per sequence, "
-            f"{self.batch} sequence(s) per forward",
+            f"model: {shape.param_count / 1e9:.2f}B parameters, {mode}",
+            f"setup: {layout.nodes} node(s) x {layout.gpus_per_node} GPU(s) of {layout.gpu_mem_gb:g} GB, "
+            f"ZeRO-{layout.zero_stage} over all {layout.gpus}, offload: {', '.join(offload) or 'none'}",
+            f"video: {work.frames} frames {work.height}x{work.width} -> {work.video_tokens + work.context_tokens:,} "
+            f"tokens per sequence ({work.video_tokens:,} video + {work.context_tokens:,} text), "
+            f"{work.batch} sequence(s) per forward",
+            f"sequence parallel: K={k}, {layout.gpus // k} group(s) of {k}; {self.tokens_per_rank:,} tokens per rank "
+            f"(1/K of the video and of the text, padded to a multiple of K)",
             "per GPU:",
             f"  parameters     {gb(self.states.params)}",
             f"  gradients      {gb(self.states.gradients)}",
             f"  optimizer      {gb(self.states.optimizer)}",
             f"  KL anchor      {gb(self.anchor)}",
             f"  activations    {gb(self.activations)}  (gradient checkpointing {checkpointing}; "
-            f"{'off' if self.grad_checkpointing else 'on'}: {alternative / GIB:.2f} GB)",
-            f"  rollout        {gb(self.rollout)}  (the latents of every step)",
-            f"  KL references  {gb(self.references)}  (the anchor's and lagged policy's means for one update)",
+            f"{'off' if layout.grad_checkpointing else 'on'}: {alternative / GIB:.2f} GB)",
+            f"  rollout        {gb(work.rollout)}  (the latents of every step)",
+            f"  KL references  {gb(work.references)}  (the anchor's and lagged policy's means for one update)",
             f"  reserve        {gb(self.reserve)}  (CUDA context, NCCL, fragmentation, VAE and reward model)",
-            f"  total          {gb(self.total)}  of {self.gpu_mem_gb:g} GB: {'fits' if self.fits else 'does NOT fit'}",
+            f"  total          {gb(self.total)}  of {layout.gpu_mem_gb:g} GB: {verdict}",
             f"host memory per node (DeepSpeed's estimate): {self.states.cpu_per_node / GIB:.2f} GB",
         ]
-        if self.min_nodes is None:
-            lines.append("smallest node count that fits: none (what more GPUs do not shrink already exceeds one)")
-        else:
-            lines.append(f"smallest node count that fits: {self.min_nodes}")
-        return "\n".join(lines)
+        return "\n".join(lines + self._advice())
+
+    def _advice(self) -> list[str]:
+        if self.fits:
+            return [f"also fits: {s.change} ({s.plan.total / GIB:.2f} GB, {s.why})" for s in self.suggestions]
+        if not self.suggestions:
+            largest = sequence_parallel_sizes(self.workload, self.layout.gpus_per_node)[-1]
+            least = dataclasses.replace(self.layout, sequence_parallel=largest, grad_checkpointing=True, **OFFLOAD)
+            return [
+                f"nothing fits: even at K={largest} with gradient checkpointing and zero3_offload a GPU needs "
+                f"{budget(self.workload, least).total / GIB:.2f} GB, mostly activations, rollout, KL references and "
+                "reserve, which more nodes do not shrink (lower the resolution, frames or micro-batch)"
+            ]
+        return ["what fits instead:"] + [
+            f"  {s.change}: {s.plan.total / GIB:.2f} GB per GPU ({s.why})" for s in self.suggestions
+        ]
 
 
-def plan(
-    param_count: int,
-    trainable_count: int,
-    zero_stage: int,
-    offload_optimizer: bool,
-    offload_param: bool,
-    lora: bool,
-    gpus_per_node: int,
-    nodes: int,
-    gpu_mem_gb: float,
-    frames: int,
-    height: int,
-    width: int,
-    grad_checkpointing: bool,
-    *,
-    largest_layer_params: int,
-    hidden_size: int,
-    num_layers: int,
-    context_tokens: int = HUNYUANVIDEO15_CONTEXT_TOKENS,
-    batch: int = 1,
-    anchor_offload: bool = False,
-    rollout: int = 0,
-    references: int = 0,
-    reserve_gb: float = DEFAULT_RESERVE_GB,
-    max_nodes: int = 1024,
-) -> MemoryPlan:
-    """Per-GPU memory for a run; ``batch`` is the sequences in one transformer call (micro-batch x CFG branches),
-    ``rollout`` the bytes of one rank's rollout (``rollout_bytes``), ``references`` those of its KL references
-    (``reference_bytes``).
+@dataclass(frozen=True)
+class Suggestion:
+    change: str  # in the words of the command line and the config
+    why: str
+    plan: MemoryPlan
 
-    ``min_nodes`` is the smallest node count up to ``max_nodes`` at which the same setup fits. Only model states
-    and the anchor shrink with more GPUs; activations, the rollout, the KL references and the reserve do
-    not, so they alone can make it None.
+
+def budget(workload: Workload, layout: Layout) -> MemoryPlan:
+    """The per-GPU bytes of ``workload`` on ``layout``, without suggestions. Model states and the anchor are
+    partitioned over all GPUs by ZeRO-3; activations are those of one rank's share of the tokens."""
+    if layout.gpus_per_node < 1 or layout.nodes < 1:
+        raise UserError(f"--gpus-per-node and --nodes must be >= 1, got {layout.gpus_per_node} and {layout.nodes}")
+    shape = workload.shape
+    if not 0 < shape.trainable_count <= shape.param_count:
+        raise UserError(f"trainable parameters ({shape.trainable_count}) must be in 1..{shape.param_count}")
+    check_sequence_parallel(workload, layout)
+    tokens = tokens_per_rank(workload, layout.sequence_parallel)
+    activations = {
+        ckpt: activation_bytes(tokens, workload.batch, shape.hidden_size, shape.num_layers, ckpt)
+        for ckpt in (True, False)
+    }
+    return MemoryPlan(
+        workload=workload,
+        layout=layout,
+        states=model_states(
+            shape.param_count,
+            shape.trainable_count,
+            shape.largest_layer_params,
+            layout.zero_stage,
+            layout.offload_optimizer,
+            layout.offload_param,
+            layout.gpus_per_node,
+            layout.nodes,
+        ),
+        anchor=anchor_bytes(
+            shape.trainable_count, layout.zero_stage, layout.offload_param, workload.anchor_offload, layout.gpus
+        ),
+        activations_with_checkpointing=activations[True],
+        activations_without_checkpointing=activations[False],
+    )
+
+
+# What DeepSpeed config the planner suggests for offload: deepspeed_configs/zero3_offload.json, optimizer and
+# parameters in host memory.
+OFFLOAD = {"zero_stage": 3, "offload_optimizer": True, "offload_param": True}
+
+
+def plan(workload: Workload, layout: Layout, max_nodes: int = 1024) -> MemoryPlan:
+    """``budget`` with ``suggest``'s suggestions."""
+    return dataclasses.replace(budget(workload, layout), suggestions=suggest(workload, layout, max_nodes))
+
+
+def suggest(workload: Workload, asked: Layout, max_nodes: int = 1024) -> tuple[Suggestion, ...]:
+    """What fits instead of ``asked``, cheapest change first, from sizes K that ``sequence_parallel_sizes`` allows.
+
+    On the same GPUs, the first that fits of: the smallest K (its price, an all-to-all per attention); then with
+    gradient checkpointing on, if it was off (a recomputed forward). Only when neither fits, both of: ZeRO-3 with
+    optimizer and parameters offloaded to host memory (``deepspeed.config=zero3_offload``) at the smallest K, and
+    the fewest nodes (up to ``max_nodes``) at which some K fits. More nodes shrink only the partitioned states and
+    anchor, never activations, the rollout or the references, so they are suggested only where that is enough.
+
+    When ``asked`` fits: a smaller K and fewer nodes that also fit.
     """
-    if gpus_per_node < 1 or nodes < 1:
-        raise UserError(f"--gpus-per-node and --nodes must be >= 1, got {gpus_per_node} and {nodes}")
-    if not 0 < trainable_count <= param_count:
-        raise UserError(f"trainable parameters ({trainable_count}) must be in 1..{param_count}")
-    tokens = video_tokens(frames, height, width) + context_tokens
-    activations = {ckpt: activation_bytes(tokens, batch, hidden_size, num_layers, ckpt) for ckpt in (True, False)}
-
-    def at(node_count: int) -> MemoryPlan:
-        return MemoryPlan(
-            param_count=param_count,
-            trainable_count=trainable_count,
-            zero_stage=zero_stage,
-            offload_optimizer=offload_optimizer,
-            offload_param=offload_param,
-            lora=lora,
-            gpus_per_node=gpus_per_node,
-            nodes=node_count,
-            gpu_mem_gb=gpu_mem_gb,
-            frames=frames,
-            height=height,
-            width=width,
-            tokens=tokens,
-            batch=batch,
-            grad_checkpointing=grad_checkpointing,
-            states=model_states(
-                param_count,
-                trainable_count,
-                largest_layer_params,
-                zero_stage,
-                offload_optimizer,
-                offload_param,
-                gpus_per_node,
-                node_count,
-            ),
-            anchor=anchor_bytes(trainable_count, zero_stage, offload_param, anchor_offload, gpus_per_node * node_count),
-            activations_with_checkpointing=activations[True],
-            activations_without_checkpointing=activations[False],
-            rollout=rollout,
-            references=references,
-            reserve=int(reserve_gb * GIB),
-            min_nodes=None,
+    sizes = sequence_parallel_sizes(workload, asked.gpus_per_node)
+    fitting = lambda layouts: next((p for p in (budget(workload, lay) for lay in layouts) if p.fits), None)
+    at_sizes = lambda layout: [dataclasses.replace(layout, sequence_parallel=k) for k in sizes]
+    if budget(workload, asked).fits:
+        smaller = [dataclasses.replace(asked, sequence_parallel=k) for k in sizes if k < asked.sequence_parallel]
+        fewer = [dataclasses.replace(asked, nodes=n) for n in range(1, asked.nodes)]
+        found = [
+            (fitting(smaller), "a smaller K: less all-to-all"),
+            (fitting(fewer), "fewer nodes, fewer videos per iteration"),
+        ]
+    else:
+        steps = [asked] + (
+            [dataclasses.replace(asked, grad_checkpointing=True)] if not asked.grad_checkpointing else []
         )
+        same_gpus = fitting(layout for step in steps for layout in at_sizes(step))
+        if same_gpus is not None:
+            return (_suggestion(asked, same_gpus, "on the same GPUs"),)
+        offloaded = dataclasses.replace(steps[-1], **OFFLOAD)
+        found = [
+            (fitting(at_sizes(offloaded)), "optimizer and parameters in host memory: slower steps"),
+            (_fewest_nodes(workload, steps[-1], sizes, max_nodes), "more GPUs for the ZeRO-partitioned states"),
+        ]
+    return tuple(_suggestion(asked, found_plan, why) for found_plan, why in found if found_plan is not None)
 
-    min_nodes = next((n for n in range(1, max_nodes + 1) if at(n).fits), None)
-    return dataclasses.replace(at(nodes), min_nodes=min_nodes)
+
+def _fewest_nodes(workload: Workload, layout: Layout, sizes: list[int], max_nodes: int) -> MemoryPlan | None:
+    """The plan at the fewest nodes above ``layout``'s, and the smallest K there, that fits; None when not even
+    ``max_nodes`` do (totals only fall with more nodes, so that one look settles it)."""
+    fits_at = lambda nodes, k: budget(workload, dataclasses.replace(layout, nodes=nodes, sequence_parallel=k))
+    if not any(fits_at(max_nodes, k).fits for k in sizes):
+        return None
+    candidates = (fits_at(n, k) for n in range(layout.nodes + 1, max_nodes + 1) for k in sizes)
+    return next(p for p in candidates if p.fits)
+
+
+def _suggestion(asked: Layout, found: MemoryPlan, why: str) -> Suggestion:
+    """``found`` as the command-line and config changes that turn ``asked`` into its layout."""
+    layout = found.layout
+    changes = []
+    if layout.sequence_parallel != asked.sequence_parallel:
+        changes.append(f"--sequence-parallel {layout.sequence_parallel}")
+    if layout.nodes != asked.nodes:
+        changes.append(f"--nodes {layout.nodes}")
+    if layout.grad_checkpointing != asked.grad_checkpointing:
+        changes.append("update.gradient_checkpointing=true")
+    zero = lambda lay: (lay.zero_stage, lay.offload_optimizer, lay.offload_param)
+    if zero(layout) != zero(asked):
+        changes.append("deepspeed.config=zero3_offload")
+        why += f", {found.states.cpu_per_node / GIB:.0f} GB of host memory per node"
+    return Suggestion(change=" ".join(changes), why=why, plan=found)
 
 
 def _zero_settings(name_or_path: str) -> tuple[int, bool, bool]:
@@ -411,16 +544,29 @@ def _transformer_config(pretrained: str | None) -> dict | None:
 
 
 def plan_from_config(
-    config_path: str | Path, gpus_per_node: int, nodes: int, gpu_mem_gb: float, overrides: list[str] = ()
+    config_path: str | Path,
+    gpus_per_node: int,
+    nodes: int,
+    gpu_mem_gb: float,
+    overrides: list[str] = (),
+    sequence_parallel: int | None = None,
 ) -> MemoryPlan:
-    """The plan for a run config, validated by the run schema (``pipeline.config``) with ``key=value`` overrides."""
+    """The plan for a run config, validated by the run schema (``pipeline.config``) with ``key=value`` overrides;
+    ``sequence_parallel`` (``--sequence-parallel``) replaces the config's ``parallel.sequence_parallel_size``."""
     from sage_grpo.pipeline.config import load_run_config
 
-    return plan_for(load_run_config(config_path, overrides), gpus_per_node, nodes, gpu_mem_gb)
+    return plan_for(load_run_config(config_path, overrides), gpus_per_node, nodes, gpu_mem_gb, sequence_parallel)
 
 
-def plan_for(config, gpus_per_node: int, nodes: int, gpu_mem_gb: float) -> MemoryPlan:
-    """The plan for a validated run config (``pipeline.config.RunConfig``)."""
+def configured_sequence_parallel(config) -> int:
+    """``parallel.sequence_parallel_size`` of a run config, 1 where the config has no such section."""
+    return int(getattr(getattr(config, "parallel", None), "sequence_parallel_size", 1))
+
+
+def plan_for(
+    config, gpus_per_node: int, nodes: int, gpu_mem_gb: float, sequence_parallel: int | None = None
+) -> MemoryPlan:
+    """The plan, with suggestions, for a validated run config (``pipeline.config.RunConfig``)."""
     model, update = config.model, config.update
     if "hunyuan" not in model.name.lower() or model.name.lower().startswith("tiny"):
         raise UserError(
@@ -430,39 +576,33 @@ def plan_for(config, gpus_per_node: int, nodes: int, gpu_mem_gb: float) -> Memor
         _transformer_config(model.pretrained), config.lora, config.deepspeed.zero3_leaf_modules
     )
     zero_stage, offload_optimizer, offload_param = _zero_settings(config.deepspeed.config)
-    video = model.kwargs
-    frames, height, width = (
-        int(video.get("num_frames", 81)),
-        int(video.get("height", 480)),
-        int(video.get("width", 848)),
-    )
+    video = {**VIDEO_DEFAULTS, **model.kwargs}
+    frames, height, width = (int(video[key]) for key in ("num_frames", "height", "width"))
     cfg_branches = 2 if model.guidance_scale > 1 else 1
     samples = config.rollout.samples_per_rank
     latent_elements = shape.latent_channels * video_tokens(frames, height, width)
-    rollout = rollout_bytes(samples, config.sde.steps, latent_elements)
     trained = config.sde.trained_step_count * samples // update.updates_per_rollout
     region = config.trust_region.region()
     lagged = region.uses_stepwise_kl and config.trust_region.velocity_estimator == "lagged"
-    references = reference_bytes(trained, latent_elements, int(region.needs_anchor) + int(lagged))
-    return plan(
-        shape.param_count,
-        shape.trainable_count,
-        zero_stage,
-        offload_optimizer,
-        offload_param,
-        config.lora.enabled,
-        gpus_per_node,
-        nodes,
-        gpu_mem_gb,
-        frames,
-        height,
-        width,
-        update.gradient_checkpointing,
-        largest_layer_params=shape.largest_layer_params,
-        hidden_size=shape.hidden_size,
-        num_layers=shape.num_layers,
+    workload = Workload(
+        shape=shape,
+        lora=config.lora.enabled,
+        frames=frames,
+        height=height,
+        width=width,
         batch=update.micro_batch_size * cfg_branches,
         anchor_offload=config.trust_region.anchor_offload,
-        rollout=rollout,
-        references=references,
+        rollout=rollout_bytes(samples, config.sde.steps, latent_elements),
+        references=reference_bytes(trained, latent_elements, int(region.needs_anchor) + int(lagged)),
     )
+    layout = Layout(
+        gpus_per_node=gpus_per_node,
+        nodes=nodes,
+        gpu_mem_gb=gpu_mem_gb,
+        sequence_parallel=configured_sequence_parallel(config) if sequence_parallel is None else sequence_parallel,
+        zero_stage=zero_stage,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        grad_checkpointing=update.gradient_checkpointing,
+    )
+    return plan(workload, layout)

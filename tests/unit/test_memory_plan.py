@@ -2,6 +2,8 @@
 checkpointing say they must."""
 
 import dataclasses
+import itertools
+from pathlib import Path
 
 import pytest
 
@@ -26,27 +28,25 @@ def full(lora):
     return dataclasses.replace(lora, trainable_count=lora.param_count)
 
 
-def _plan(shape, *, lora=False, gpus_per_node=8, nodes=8, zero_stage=3, offload=False, checkpointing=True, **kw):
-    return memory_plan.plan(
-        shape.param_count,
-        shape.trainable_count,
-        zero_stage,
-        offload,
-        offload,
-        lora,
-        gpus_per_node,
-        nodes,
-        kw.pop("gpu_mem_gb", 80.0),
-        81,
-        480,
-        848,
-        checkpointing,
-        largest_layer_params=shape.largest_layer_params,
-        hidden_size=shape.hidden_size,
-        num_layers=shape.num_layers,
-        batch=2,
-        **kw,
+def _workload(shape, *, lora=False, frames=81, height=480, width=848, batch=2, **kw):
+    return memory_plan.Workload(shape=shape, lora=lora, frames=frames, height=height, width=width, batch=batch, **kw)
+
+
+def _layout(*, gpus_per_node=8, nodes=8, gpu_mem_gb=80.0, k=1, zero_stage=3, offload=False, checkpointing=True):
+    return memory_plan.Layout(
+        gpus_per_node=gpus_per_node,
+        nodes=nodes,
+        gpu_mem_gb=gpu_mem_gb,
+        sequence_parallel=k,
+        zero_stage=zero_stage,
+        offload_optimizer=offload,
+        offload_param=offload,
+        grad_checkpointing=checkpointing,
     )
+
+
+def _plan(shape, *, lora=False, **layout):
+    return memory_plan.plan(_workload(shape, lora=lora), _layout(**layout))
 
 
 def test_the_default_diffusers_config_is_the_8_3b_release(full):
@@ -122,25 +122,138 @@ def test_gradient_checkpointing_cuts_activations_by_an_order_of_magnitude(full):
     assert on.total < off.total
 
 
-def test_smallest_node_count_is_consistent_with_fits(full):
-    # Tight enough on 40 GB that one node of 8 does not fit full fine-tuning but some larger count does.
-    plans = [_plan(full, nodes=n, gpu_mem_gb=40.0) for n in (1, 2, 4, 8)]
-    minimum = plans[0].min_nodes
-    assert minimum is not None and minimum > 1
-    assert all(p.min_nodes == minimum for p in plans)  # a property of the setup, not of the node count asked
-    assert all(p.fits == (p.nodes >= minimum) for p in plans)
-    assert _plan(full, nodes=minimum, gpu_mem_gb=40.0).fits
-    assert not _plan(full, nodes=minimum - 1, gpu_mem_gb=40.0).fits
-    # Totals never grow with more nodes, so "fits" is monotone in the node count.
-    totals = [p.total for p in plans]
-    assert totals == sorted(totals, reverse=True)
+def _per_token(shape, batch, checkpointing=True):
+    """Stored activation bytes per token of one rank, from activation_bytes' formula: each block's bf16 input plus one
+    block's full set (34 bytes per unit of hidden size) with checkpointing, every block's full set without."""
+    per_hidden = 2 * shape.num_layers + 34 if checkpointing else 34 * shape.num_layers
+    return batch * shape.hidden_size * per_hidden
 
 
-def test_no_node_count_fits_when_activations_alone_exceed_the_gpu(full):
-    plan = _plan(full, checkpointing=False)
+def _tokens_per_rank(workload, k):
+    """1/K of the video tokens, and of the text padded to a multiple of K."""
+    return workload.video_tokens // k + -(-workload.context_tokens // k)
+
+
+VIDEO_720P = {"frames": 121, "height": 720, "width": 1280}
+
+
+def _workload_720p(shape):
+    """The 720p run of configs/hunyuanvideo15_sage_720p.yaml: CFG, 2 prompts x 4 videos a rank, 20 steps (19
+    trained), the anchor's and the lagged policy's references."""
+    latents = shape.latent_channels * memory_plan.video_tokens(121, 720, 1280)
+    return _workload(
+        shape,
+        **VIDEO_720P,
+        rollout=memory_plan.rollout_bytes(8, 20, latents),
+        references=memory_plan.reference_bytes(8 * 19, latents, 2),
+    )
+
+
+def test_activations_per_rank_scale_as_one_over_k(full):
+    workload = _workload(full, **VIDEO_720P)
+    plans = {k: memory_plan.plan(workload, _layout(k=k)) for k in (1, 2, 4, 8)}
+    for k, plan in plans.items():
+        per_rank = _tokens_per_rank(workload, k)
+        assert plan.activations == _per_token(full, 2) * per_rank
+        assert plan.activations_without_checkpointing == _per_token(full, 2, checkpointing=False) * per_rank
+        assert plans[1].activations / plan.activations == pytest.approx(k, rel=1e-3)
+        # ZeRO-3 partitions over all 64 GPUs whatever K; the K ranks of a group hold the same rollout.
+        assert (plan.states, plan.anchor, plan.per_gpu - plan.activations) == (
+            plans[1].states,
+            plans[1].anchor,
+            plans[1].per_gpu - plans[1].activations,
+        )
+
+
+def test_more_nodes_shrink_the_partitioned_states_and_nothing_else(full):
+    workload = _workload(full, **VIDEO_720P, rollout=GIB, references=2 * GIB)
+    plans = [memory_plan.budget(workload, _layout(nodes=n, k=2)) for n in (1, 2, 8, 64)]
+    assert len({(p.activations, p.per_gpu) for p in plans}) == 1
+    for fewer, more in zip(plans, plans[1:]):
+        assert more.states.optimizer < fewer.states.optimizer and more.anchor < fewer.anchor
+        assert more.total < fewer.total
+
+
+def test_the_issues_720p_plan_gets_the_smallest_k_not_more_nodes(full):
+    # 8 nodes x 8 GPUs at K=1 does not fit; the old planner answered "12 nodes", which shrinks only the ZeRO states.
+    workload = _workload_720p(full)
+    for gpu_mem_gb in (80.0, 40.0):
+        plan = memory_plan.plan(workload, _layout(gpu_mem_gb=gpu_mem_gb))
+        assert not plan.fits
+        sizes = [k for k in range(1, 17) if not 16 % k and not workload.video_tokens % k and not 8 % k]
+        assert memory_plan.sequence_parallel_sizes(workload, 8) == sizes == [1, 2, 4, 8]
+        # total(K) = total(1) minus the activations of the tokens a rank no longer carries.
+        saved = {
+            k: _per_token(full, 2) * (_tokens_per_rank(workload, 1) - _tokens_per_rank(workload, k)) for k in sizes
+        }
+        total = {k: plan.total - saved[k] for k in sizes}
+        smallest = next(k for k in sizes if total[k] <= gpu_mem_gb * GIB)
+        assert smallest == (2 if gpu_mem_gb == 80 else 4)
+        (suggestion,) = plan.suggestions
+        assert suggestion.change == f"--sequence-parallel {smallest}" and suggestion.plan.fits
+        assert suggestion.plan.layout == dataclasses.replace(plan.layout, sequence_parallel=smallest)
+        assert suggestion.plan.total == total[smallest]
+        assert "--nodes" not in str(plan)
+
+
+def test_nodes_are_never_suggested_for_an_activation_bound_plan(full):
+    # One GPU per node leaves K = 1: at 720p the activations alone exceed 40 GB, and no node count changes them.
+    workload = _workload(full, **VIDEO_720P)
+    plan = memory_plan.plan(workload, _layout(gpus_per_node=1, nodes=1, gpu_mem_gb=40.0))
+    assert plan.activations > 40 * GIB and plan.suggestions == ()
+    assert str(plan).splitlines()[-1].startswith("nothing fits: even at K=1")
+    # Without gradient checkpointing, turning it on is the remedy on the same GPUs, not nodes.
+    plan = memory_plan.plan(_workload(full), _layout(checkpointing=False))
     assert plan.activations > 80 * GIB
-    assert not plan.fits and plan.min_nodes is None
-    assert "none" in str(plan)
+    assert [s.change for s in plan.suggestions] == ["update.gradient_checkpointing=true"]
+    # Across setups: a suggestion adds nodes only where, at its K, what nodes do not shrink fits the GPU and the
+    # asked nodes do not.
+    for gpus_per_node, gpu_mem_gb, video in itertools.product((1, 8), (24.0, 40.0, 80.0), ({}, VIDEO_720P)):
+        workload = _workload(full, **video)
+        asked = _layout(gpus_per_node=gpus_per_node, nodes=1, gpu_mem_gb=gpu_mem_gb)
+        for suggestion in memory_plan.plan(workload, asked).suggestions:
+            found = suggestion.plan.layout
+            if found.nodes != asked.nodes:
+                assert suggestion.plan.per_gpu <= gpu_mem_gb * GIB
+                assert not memory_plan.budget(workload, dataclasses.replace(found, nodes=asked.nodes)).fits
+                fewer = dataclasses.replace(found, nodes=found.nodes - 1)
+                sizes = memory_plan.sequence_parallel_sizes(workload, gpus_per_node)
+                assert not any(
+                    memory_plan.budget(workload, dataclasses.replace(fewer, sequence_parallel=k)).fits for k in sizes
+                )
+
+
+def test_offload_is_suggested_for_full_fine_tuning_on_one_24gb_gpu(full):
+    workload = _workload(full, batch=1)  # 480p without CFG
+    plan = memory_plan.plan(workload, _layout(gpus_per_node=1, nodes=1, gpu_mem_gb=24.0))
+    # Adam's fp32 master weights and moments alone (12 bytes a parameter) are 4x the GPU.
+    assert plan.states.optimizer == 12 * full.param_count and not plan.fits
+    offloaded = [s for s in plan.suggestions if s.change == "deepspeed.config=zero3_offload"]
+    assert len(offloaded) == 1 and offloaded[0].plan.fits
+    layout = offloaded[0].plan.layout
+    assert (layout.zero_stage, layout.offload_optimizer, layout.offload_param, layout.nodes) == (3, True, True, 1)
+    assert "host memory per node" in offloaded[0].why
+
+
+def test_a_size_ulysses_cannot_split_is_refused_in_one_line(full):
+    refusals = [
+        (_workload(full), _layout(k=3), "16 attention heads"),
+        (_workload(full), _layout(k=4), "33390 video tokens"),  # 480p: 21 x 30 x 53 latent tokens
+        (_workload(full, **VIDEO_720P), _layout(gpus_per_node=2, nodes=1, k=4), "the 2 GPUs"),
+    ]
+    for workload, layout, reason in refusals:
+        with pytest.raises(UserError, match=reason) as refused:
+            memory_plan.plan(workload, layout)
+        assert "\n" not in str(refused.value)
+
+
+def test_a_plan_that_fits_names_a_smaller_k_and_fewer_nodes_that_also_fit(full):
+    plan = memory_plan.plan(_workload_720p(full), _layout(k=8))
+    assert plan.fits
+    smaller, fewer = plan.suggestions
+    assert smaller.change == "--sequence-parallel 2" and smaller.plan.fits
+    assert fewer.change == "--nodes 1" and fewer.plan.fits
+    assert [line.startswith("also fits") for line in str(plan).splitlines()[-2:]] == [True, True]
 
 
 def test_settings_the_estimators_do_not_model_are_refused(full):
@@ -177,30 +290,38 @@ def test_plan_from_a_config_reads_the_run_schema(tmp_path, counted):
     )
     plan = memory_plan.plan_from_config(config, gpus_per_node=8, nodes=1, gpu_mem_gb=80)
     assert counted == [(None, LoraConfig(enabled=True, rank=16), ["HunyuanVideo15TransformerBlock"])]
-    assert plan.lora and plan.offload_optimizer and plan.offload_param and plan.zero_stage == 3
-    assert plan.batch == 2  # CFG doubles the batch
-    assert plan.tokens == memory_plan.video_tokens(33, 480, 848) + memory_plan.HUNYUANVIDEO15_CONTEXT_TOKENS
+    layout, workload = plan.layout, plan.workload
+    assert workload.lora and layout.offload_optimizer and layout.offload_param and layout.zero_stage == 3
+    assert workload.batch == 2  # CFG doubles the batch
+    assert (workload.frames, workload.height, workload.width) == (33, 480, 848)
+    assert plan.tokens_per_rank == memory_plan.video_tokens(33, 480, 848) + memory_plan.HUNYUANVIDEO15_CONTEXT_TOKENS
     text = str(plan)
-    assert "LoRA" in text and "fits" in text and "smallest node count" in text
+    assert "LoRA" in text and "fits" in text and "sequence parallel: K=1" in text
     # 2 samples x 21 float32 latents (20 steps), counted in the total.
-    assert plan.rollout == 4 * 32 * memory_plan.video_tokens(33, 480, 848) * 2 * 21
-    assert plan.total - plan.rollout - plan.references == _without_rollout(plan) and "rollout" in text
+    assert workload.rollout == 4 * 32 * memory_plan.video_tokens(33, 480, 848) * 2 * 21
+    assert plan.total - workload.rollout - workload.references == _without_rollout(plan) and "rollout" in text
     bigger = memory_plan.plan_from_config(config, gpus_per_node=8, nodes=1, gpu_mem_gb=80, overrides=["sde.steps=40"])
-    assert bigger.rollout == plan.rollout * 41 // 21
+    assert bigger.workload.rollout == workload.rollout * 41 // 21
     # The dual trust region's two references (anchor, lagged policy): a float32 mean per trained transition of an
     # update, 2 samples x the trained steps of the schedule; none without a trust region, one with the rollout
     # log-ratio velocity estimator, half per update with two updates per rollout.
     trained = SDEConfig().trained_step_count
-    assert plan.references == 4 * 32 * memory_plan.video_tokens(33, 480, 848) * 2 * trained * 2
+    assert workload.references == 4 * 32 * memory_plan.video_tokens(33, 480, 848) * 2 * trained * 2
     assert "KL references" in text
 
     def references(*overrides):
-        return memory_plan.plan_from_config(config, 8, 1, 80, overrides=list(overrides)).references
+        return memory_plan.plan_from_config(config, 8, 1, 80, overrides=list(overrides)).workload.references
 
     assert references("trust_region.strategy=none") == 0
-    assert references("trust_region.velocity_estimator=rollout_logratio") == plan.references // 2
-    assert references("trust_region.strategy=moving") == plan.references // 2  # the default: the anchor alone
-    assert references("update.updates_per_rollout=2") == plan.references // 2
+    assert references("trust_region.velocity_estimator=rollout_logratio") == workload.references // 2
+    assert references("trust_region.strategy=moving") == workload.references // 2  # the default: the anchor alone
+    assert references("update.updates_per_rollout=2") == workload.references // 2
+
+    # K from parallel.sequence_parallel_size, which --sequence-parallel replaces.
+    split = memory_plan.plan_from_config(config, 8, 1, 80, overrides=["parallel.sequence_parallel_size=2"])
+    assert split.layout.sequence_parallel == 2 and split.tokens_per_rank == memory_plan.tokens_per_rank(workload, 2)
+    whole = memory_plan.plan_from_config(config, 8, 1, 80, ["parallel.sequence_parallel_size=2"], sequence_parallel=1)
+    assert whole.layout.sequence_parallel == 1
 
     with pytest.raises(UserError, match="only models"):
         memory_plan.plan_from_config(
@@ -222,14 +343,49 @@ def _without_rollout(plan) -> int:
     return s.params + s.gradients + s.optimizer + plan.anchor + plan.activations + plan.reserve
 
 
-def test_plan_command_is_registered_with_the_documented_flags(capsys, tmp_path, counted):
-    from sage_grpo.pipeline.cli import parse_args
-
+@pytest.fixture
+def small_config(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(
-        "model: {name: hunyuan15, pretrained: org/model}\nlora: {enabled: true}\ndata: {source: prompts.txt}\n"
+        "model: {name: hunyuan15, pretrained: org/model}\nlora: {enabled: true}\n"
+        "update: {gradient_checkpointing: true}\ndata: {source: prompts.txt}\n"
     )
-    args = parse_args(["plan", str(config), "--gpus-per-node", "8", "--nodes", "1", "update.micro_batch_size=2"])
-    assert args.gpu_mem == 80.0 and args.overrides == ["update.micro_batch_size=2"]
-    assert args.handler(args) == 0
-    assert "per GPU:" in capsys.readouterr().out
+    return ["plan", str(config), "--gpus-per-node", "8", "--nodes", "1"]
+
+
+def test_plan_command_is_registered_with_the_documented_flags(capsys, counted, small_config):
+    from sage_grpo.pipeline.cli import main, parse_args
+
+    args = parse_args([*small_config, "update.micro_batch_size=2", "--sequence-parallel", "2"])
+    assert args.gpu_mem == 80.0 and args.overrides == ["update.micro_batch_size=2"] and args.sequence_parallel == 2
+    assert main(small_config) == 0
+    out = capsys.readouterr().out
+    assert "per GPU:" in out and ": fits" in out
+
+
+def test_plan_command_exits_1_when_the_plan_does_not_fit(capsys, counted, small_config):
+    from sage_grpo.pipeline.cli import main
+
+    assert main([*small_config, "--gpu-mem", "12"]) == 1
+    assert "does NOT fit" in capsys.readouterr().out
+    assert main([*small_config, "--sequence-parallel", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "16 attention heads" in err
+
+
+def test_the_shipped_720p_config_fits_8_nodes_of_8_gpus_at_the_smallest_k(monkeypatch, capsys, full):
+    from sage_grpo.pipeline.cli import main
+    from sage_grpo.pipeline.config import load_run_config
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "hunyuanvideo15_sage_720p.yaml"
+    config = load_run_config(path)
+    assert not config.lora.enabled and config.model.kwargs == {"height": 720, "width": 1280, "num_frames": 121}
+    monkeypatch.setattr(memory_plan, "hunyuanvideo15_shape", lambda *args: full)  # the 8.3B count, tested above
+    plan = memory_plan.plan_for(config, gpus_per_node=8, nodes=8, gpu_mem_gb=80)
+    k = config.parallel.sequence_parallel_size
+    assert plan.fits and plan.layout.sequence_parallel == k > 1
+    sizes = memory_plan.sequence_parallel_sizes(plan.workload, 8)
+    smaller = [dataclasses.replace(plan.layout, sequence_parallel=size) for size in sizes if size < k]
+    assert not any(memory_plan.budget(plan.workload, layout).fits for layout in smaller)
+    assert main(["plan", str(path), "--gpus-per-node", "8", "--nodes", "8"]) == 0
+    assert f"K={k}" in capsys.readouterr().out
