@@ -61,6 +61,11 @@ def init_sequence_parallel(size: int):
     return _sequence_mesh
 
 
+def sequence_mesh():
+    """The run's device mesh from ``init_sequence_parallel``; None without sequence parallelism."""
+    return _sequence_mesh
+
+
 def sequence_parallel_size() -> int:
     """K: the ranks that share one sample's tokens (1 without sequence parallelism)."""
     return 1 if _sequence_mesh is None else _sequence_mesh["ulysses"].size()
@@ -75,6 +80,32 @@ def data_parallel_rank() -> int:
 def data_parallel_size() -> int:
     """Distinct samples' groups in the world: world size / K."""
     return world_size() // sequence_parallel_size()
+
+
+def is_sequence_leader() -> bool:
+    """True on the first rank of each sequence-parallel group (on every rank without sequence parallelism)."""
+    return rank() % sequence_parallel_size() == 0
+
+
+def on_sequence_leader(call):
+    """``call()`` on the first rank of this rank's sequence-parallel group, its result on every rank of the group:
+    work on a sample done once, not K times (scoring). An exception it raises is raised on every rank of the group
+    (instead of the others waiting in the broadcast until the timeout)."""
+    if _sequence_mesh is None:
+        return call()
+    group = _sequence_mesh["ulysses"]
+    outcome = None
+    if is_sequence_leader():
+        try:
+            outcome = ("ok", call())
+        except Exception as error:  # noqa: BLE001 - re-raised below, on every rank of the group
+            outcome = ("error", error)
+    box = [outcome]
+    dist.broadcast_object_list(box, group=group.get_group(), group_src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
 
 
 def one_per_sequence_group(values_by_rank: list) -> list:

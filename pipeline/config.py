@@ -6,13 +6,16 @@ Everything here is validated before any model loads; a problem is one line namin
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sage_grpo.core import config_loading
+from sage_grpo.core.distributed import ParallelConfig
 from sage_grpo.core.lora import LoraConfig
-from sage_grpo.core.models import ModelConfig
+from sage_grpo.core.models import ModelConfig, sequence_layout
+from sage_grpo.core.models.base import check_sequence_split
 from sage_grpo.core.registry import RegistryConfig
 from sage_grpo.core.rewards.registry import RewardSpec
 from sage_grpo.core.storage import CheckpointConfig
@@ -54,6 +57,7 @@ class RunConfig(_Section):
     trust_region: TrustRegionConfig = Field(default_factory=TrustRegionConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     data: DataConfig
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
@@ -78,7 +82,20 @@ class RunConfig(_Section):
             bf16=self.deepspeed.use_bf16(),
         )
         check_optimizer_fits(self.update.optimizer, engine_config)
+        self._check_sequence_split()
         return self
+
+    def _check_sequence_split(self) -> None:
+        """K must divide the heads and the video tokens (Ulysses splits both) and, once launched, the world size."""
+        size = self.parallel.sequence_parallel_size
+        if size == 1:
+            return
+        layout = sequence_layout(self.model)
+        if layout is not None:
+            check_sequence_split(*layout, size)
+        world = int(os.environ.get("WORLD_SIZE", size))
+        if world % size:
+            raise ValueError(f"parallel.sequence_parallel_size={size} does not divide the world size {world}")
 
     @property
     def accumulation_steps(self) -> int:

@@ -116,6 +116,7 @@ class SageGRPORecipe:
     def setup(self, resume: str | None = None, *, fresh_start: bool = False) -> None:
         config = self.config
         distributed.init(config.deepspeed.collective_timeout_minutes)
+        distributed.init_sequence_parallel(config.parallel.sequence_parallel_size)
         make_writable_folder(config.output_dir, "run.output_dir")
         checkpoint_root = config.checkpoint.build(config.output_dir).uri
         if not checkpoint_root.startswith("s3://"):
@@ -124,10 +125,10 @@ class SageGRPORecipe:
             (config.output_dir / "config.json").write_text(json.dumps(masked_config(config), indent=2))
             remove_abandoned(config.output_dir / "exports", STAGING_FOLDER)  # a full weight copy a kill left
         self._setup_prompts()
-        if len(self.train_prompts) < config.rollout.prompts_per_rank * distributed.world_size():
+        if len(self.train_prompts) < config.rollout.prompts_per_rank * distributed.data_parallel_size():
             raise UserError(
                 f"{len(self.train_prompts)} training prompts cannot fill rollout.prompts_per_rank="
-                f"{config.rollout.prompts_per_rank} on {distributed.world_size()} rank(s)"
+                f"{config.rollout.prompts_per_rank} on {distributed.data_parallel_size()} data-parallel rank(s)"
             )
         # Rewards before the model: a reward that cannot be built, or needs a column no prompt has, stops the run
         # before minutes of model loading.
@@ -138,8 +139,8 @@ class SageGRPORecipe:
         self.sampler = PromptSampler(
             len(self.train_prompts),
             config.rollout.prompts_per_rank,
-            distributed.rank(),
-            distributed.world_size(),
+            distributed.data_parallel_rank(),  # the K ranks of a sequence-parallel group share their prompts
+            distributed.data_parallel_size(),
             config.seed,
         )
         self.checkpointer = Checkpointer(
@@ -181,7 +182,7 @@ class SageGRPORecipe:
         config, module = self.config, self.policy.engine.module
         return {
             "derived.world_size": distributed.world_size(),
-            "derived.effective_batch": config.rollout.samples_per_rank * distributed.world_size(),
+            "derived.effective_batch": config.rollout.samples_per_rank * distributed.data_parallel_size(),
             "derived.trainable_parameters": sum(_numel(p) for p in module.parameters() if p.requires_grad),
             "derived.total_parameters": sum(_numel(p) for p in module.parameters()),
             "derived.trained_steps": config.sde.trained_step_count,
@@ -299,6 +300,8 @@ class SageGRPORecipe:
         sample_metadata = self.prompt_set.metadata_for([i for i in prompt_ids for _ in range(group_size)])
         # Batch i is scored in a worker thread while batch i+1 is generated; the scores feed this iteration's update
         # only, so the overlap keeps the step on-policy. time/score is the scoring the rollout did not hide.
+        # Under sequence parallelism the K ranks of a group hold the same videos: the group's first rank scores them.
+        scores_here = distributed.is_sequence_leader()
         with self.scorer.overlapped(sample_prompts, sample_metadata, fps=policy.adapter.fps) as sink:
             rollout = generate(
                 policy.adapter,
@@ -309,10 +312,10 @@ class SageGRPORecipe:
                 prompt_ids=prompt_ids,
                 batch_size=config.update.micro_batch_size,
                 embeddings=self.embeddings(batch_prompts),
-                on_batch=sink.submit,
+                on_batch=sink.submit if scores_here else None,
             )
             timings["time/rollout"], clock = time.perf_counter() - clock, time.perf_counter()
-            scored = sink.result()
+            scored = distributed.on_sequence_leader(sink.result)
         timings["time/score"], clock = time.perf_counter() - clock, time.perf_counter()
 
         advantages = compute_advantages(scored.total, rollout.group_ids, config.update)
@@ -341,7 +344,7 @@ class SageGRPORecipe:
             }
         )
         seconds = sum(value for key, value in timings.items() if key.startswith("time/"))
-        metrics["samples_per_second"] = rollout.num_samples * distributed.world_size() / seconds
+        metrics["samples_per_second"] = rollout.num_samples * distributed.data_parallel_size() / seconds
         return metrics
 
     def _record(self, metrics: dict[str, float]) -> None:
@@ -535,6 +538,8 @@ def build_policy(config: RunConfig) -> Policy:
         add_lora(adapter.transformer, config.lora)
     else:
         adapter.transformer.requires_grad_(True)
+    if distributed.sequence_mesh() is not None:  # after LoRA: its layers wrap modules the split hooks sit on
+        adapter.enable_sequence_parallel(distributed.sequence_mesh())
     engine = build_engine(
         adapter.transformer,
         config.update,

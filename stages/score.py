@@ -373,7 +373,7 @@ def reward_metrics(scored: ScoredBatch) -> dict[str, float]:
         sums[f"{name}|ss"] = sum(v * v for v in present)
     sums["failed|n"] = sum(scored.failed.values())
     means = distributed.all_reduce_mean(sums)  # equal factors on every key: ratios of means are ratios of sums
-    metrics = {"reward/failed_samples": means["failed|n"] * distributed.world_size()}
+    metrics = {"reward/failed_samples": means["failed|n"] * distributed.data_parallel_size()}
     for key in {k.split("|")[0] for k in sums if k != "failed|n"}:
         n = means[f"{key}|n"]
         mean = means[f"{key}|s"] / n if n else float("nan")

@@ -6,6 +6,9 @@ Model modules are imported on first use: importing diffusers' video pipelines co
 
 from __future__ import annotations
 
+import inspect
+import json
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -63,6 +66,55 @@ class ModelConfig(BaseModel):
         return kwargs
 
 
+def sequence_layout(config: ModelConfig) -> tuple[int, int] | None:
+    """(attention heads, video tokens of one sample) of the configured model, from configs alone (no weights): what
+    ``parallel.sequence_parallel_size`` must divide, checked when the run config loads. None where configs alone
+    cannot tell (a model by dotted path, a Wan hub id not on disk, HunyuanVideo 1.5 at its checkpoint's default size):
+    the adapter checks the same when it is built (``DiffusersAdapter.enable_sequence_parallel``)."""
+    found = _layout_configs(config)
+    if found is None:
+        return None
+    transformer, (spatial, temporal) = found
+    factory = resolve(config.name, _REGISTRY, "model")
+    defaults = {k: p.default for k, p in inspect.signature(factory).parameters.items()}
+    size = {k: config.kwargs.get(k, defaults.get(k)) for k in ("height", "width", "num_frames")}
+    if None in size.values():
+        return None
+    patch = transformer.get("patch_size", 1)
+    p_t, p_h, p_w = patch if isinstance(patch, list | tuple) else (transformer.get("patch_size_t", 1), patch, patch)
+    frames = (size["num_frames"] - 1) // temporal + 1
+    tokens = (frames // p_t) * (size["height"] // spatial // p_h) * (size["width"] // spatial // p_w)
+    return transformer["num_attention_heads"], tokens
+
+
+def _layout_configs(config: ModelConfig) -> tuple[dict, tuple[int, int]] | None:
+    """The transformer's config and the VAE's (spatial, temporal) compression of a registered model."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    from . import tiny
+
+    if config.name == "tiny-hunyuan15":
+        vae = tiny.TINY_HUNYUAN15_VAE
+        return tiny.TINY_HUNYUAN15_TRANSFORMER | config.kwargs.get("transformer", {}), tuple(vae.values())
+    if config.name == "tiny-wan":
+        return tiny.TINY_WAN_TRANSFORMER, tuple(tiny.TINY_WAN_VAE.values())
+    on_disk = Path(config.pretrained or "")
+    transformer, vae = (on_disk / part / "config.json" for part in ("transformer", "vae"))
+    if config.name == "hunyuan15":
+        # Not on disk: diffusers' defaults, which are the released checkpoints' transformer (16 heads, patch 1).
+        defaults = inspect.signature(HunyuanVideo15Transformer3DModel).parameters
+        found = json.loads(transformer.read_text()) if transformer.is_file() else {}
+        found = {k: p.default for k, p in defaults.items()} | found
+        vae_config = json.loads(vae.read_text()) if vae.is_file() else {}
+        compression = vae_config.get("spatial_compression_ratio", 16), vae_config.get("temporal_compression_ratio", 4)
+        return found, compression
+    if config.name == "wan" and transformer.is_file() and vae.is_file():
+        vae_config = json.loads(vae.read_text())
+        compression = vae_config.get("scale_factor_spatial", 8), vae_config.get("scale_factor_temporal", 4)
+        return json.loads(transformer.read_text()), compression
+    return None
+
+
 def build_adapter(name: str, **kwargs) -> VideoModelAdapter:
     """The adapter for a registered name, or for a dotted factory path ``"package.module:factory"``.
 
@@ -76,4 +128,4 @@ def build_adapter(name: str, **kwargs) -> VideoModelAdapter:
     return adapter
 
 
-__all__ = ["ModelConfig", "PromptEmbeddings", "VideoModelAdapter", "build_adapter"]
+__all__ = ["ModelConfig", "PromptEmbeddings", "VideoModelAdapter", "build_adapter", "sequence_layout"]

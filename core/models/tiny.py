@@ -44,6 +44,40 @@ _QWEN_CHAT_TEMPLATE = (
 _BYT5_VOCAB = 384
 
 
+TINY_HUNYUAN15_TRANSFORMER = {
+    "in_channels": 9,  # 4 latent + 4 condition latent + 1 mask channels
+    "out_channels": 4,
+    "num_attention_heads": 2,
+    "attention_head_dim": 8,
+    "num_layers": 1,
+    "num_refiner_layers": 1,
+    "mlp_ratio": 2.0,
+    "text_embed_dim": 16,
+    "text_embed_2_dim": 32,
+    "image_embed_dim": 12,
+    "rope_axes_dim": (2, 2, 4),
+    "target_size": 16,
+    "task_type": "t2v",
+}
+TINY_WAN_TRANSFORMER = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 2,
+    "attention_head_dim": 12,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 32,
+    "freq_dim": 256,
+    "ffn_dim": 32,
+    "num_layers": 2,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "rope_max_seq_len": 32,
+}
+# Latent frames and pixels per latent of the tiny VAEs: (spatial, temporal) compression.
+TINY_HUNYUAN15_VAE = {"spatial_compression_ratio": 4, "temporal_compression_ratio": 2}
+TINY_WAN_VAE = {"scale_factor_spatial": 8, "scale_factor_temporal": 4}
+
+
 def tiny_qwen2_tokenizer() -> Qwen2Tokenizer:
     """A byte-level Qwen2 tokenizer without merges: one token per byte, plus the chat special tokens."""
     vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
@@ -68,29 +102,14 @@ def tiny_hunyuan15_pipeline(
     ``attention_head_dim``, ``num_layers``, ``mlp_ratio``, ``rope_axes_dim`` summing to the head dim): a transformer
     as wide and deep as a benchmark needs, between the same cheap encoders and VAE."""
     torch.manual_seed(seed)
-    config = {
-        "in_channels": 9,  # 4 latent + 4 condition latent + 1 mask channels
-        "out_channels": 4,
-        "num_attention_heads": 2,
-        "attention_head_dim": 8,
-        "num_layers": 1,
-        "num_refiner_layers": 1,
-        "mlp_ratio": 2.0,
-        "text_embed_dim": 16,
-        "text_embed_2_dim": 32,
-        "image_embed_dim": 12,
-        "rope_axes_dim": (2, 2, 4),
-        "target_size": 16,
-        "task_type": "t2v",
-    } | (transformer or {})
+    config = TINY_HUNYUAN15_TRANSFORMER | (transformer or {})
     config["rope_axes_dim"] = tuple(config["rope_axes_dim"])  # a YAML list
     transformer = HunyuanVideo15Transformer3DModel(**config)
     vae = AutoencoderKLHunyuanVideo15(
         latent_channels=4,
         block_out_channels=(16, 16),
         layers_per_block=1,
-        spatial_compression_ratio=4,
-        temporal_compression_ratio=2,
+        **TINY_HUNYUAN15_VAE,
         downsample_match_channel=False,
         upsample_match_channel=False,
     )
@@ -165,20 +184,7 @@ def tiny_hunyuan15(
 def tiny_wan_pipeline(seed: int = 0) -> WanPipeline:
     """WanPipeline (Wan 2.1 layout) with toy components and a byte-level T5 tokenizer."""
     torch.manual_seed(seed)
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
-        in_channels=16,
-        out_channels=16,
-        text_dim=32,
-        freq_dim=256,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    )
+    transformer = WanTransformer3DModel(**TINY_WAN_TRANSFORMER)
     vae = AutoencoderKLWan(
         base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
     )
