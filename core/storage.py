@@ -66,16 +66,8 @@ from s3transfer.exceptions import RetriesExceededError
 from safetensors.torch import load_file
 
 from sage_grpo.core.errors import StoreUnavailable, UserError
-from sage_grpo.core.files import (
-    CHUNK_BYTES,
-    atomic_write_bytes,
-    file_sha256,
-    fsync_dir,
-    fsync_tree,
-    move_into_place,
-    sha256_and_size,
-)
-from sage_grpo.core.s3 import s3_client
+from sage_grpo.core.files import atomic_write_bytes, fsync_dir, fsync_tree
+from sage_grpo.core.s3 import S3Config
 from sage_grpo.core.safe_load import refusal_reason
 from sage_grpo.core.secrets import mask_uri
 
@@ -86,6 +78,7 @@ LATEST_NAME = "latest"
 OWNER_NAME = "owner.json"
 SET_ASIDE = "set-aside-"
 MiB = 1024 * 1024
+_HASH_CHUNK = 8 * MiB
 # Only canonical names: "step-007" would name step 7 but live at a different path than step_dir(7).
 _STEP_NAME = re.compile(r"step-(0|[1-9][0-9]*)")
 # S3's rules for new bucket names; also keeps userinfo ("key:secret@bucket") out of a bucket name.
@@ -176,10 +169,10 @@ class Manifest(BaseModel):
 
 
 class CheckpointConfig(BaseModel):
-    """The ``checkpoint`` section: where checkpoints live, what pruning keeps, and how S3 is reached.
+    """The ``checkpoint`` section: where checkpoints live, what pruning keeps, and how transfers are split.
 
-    Retries are botocore's own (``standard`` or ``adaptive`` mode); large files go through boto3's transfer manager
-    as multipart uploads and ranged downloads. Credentials deliberately have no field (see the module docstring).
+    How S3 is reached (endpoint, region, retries, timeouts) is the run's ``s3`` section (``core.s3.S3Config``); large
+    files go through boto3's transfer manager as multipart uploads and ranged downloads.
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -187,16 +180,9 @@ class CheckpointConfig(BaseModel):
     # A local path, file:///abs/path or s3://bucket/prefix; None: <output_dir>/checkpoints.
     uri: str | None = None
     every: int = Field(0, ge=0)  # iterations between checkpoints; 0: only at the end and on preemption
-    keep_last: int = Field(3, ge=2)  # see CheckpointStore.prune for why never fewer than two
+    keep_last: int = Field(3, ge=2)  # the one check of it: see CheckpointStore.prune for why never fewer than two
     best_metric: str | None = None  # also keep the best step by this key of the manifest's extra
     higher_is_better: bool = True
-    endpoint_url: str | None = None  # an S3-compatible service (MinIO, Ceph) instead of AWS
-    region_name: str | None = None
-    addressing_style: Literal["auto", "path", "virtual"] = "auto"  # most MinIO setups need "path"
-    retry_mode: Literal["standard", "adaptive"] = "standard"
-    max_attempts: int = Field(10, ge=1)
-    connect_timeout_s: float = Field(10.0, gt=0)
-    read_timeout_s: float = Field(120.0, gt=0)
     multipart_threshold_bytes: int = Field(64 * MiB, gt=0)
     multipart_chunksize_bytes: int = Field(64 * MiB, gt=0)
     max_concurrency: int = Field(8, ge=1)
@@ -213,40 +199,20 @@ class CheckpointConfig(BaseModel):
                 raise ValueError(str(error)) from None  # pydantic reports ValueErrors with the key's name
         return uri
 
-    @field_validator("endpoint_url")
-    @classmethod
-    def _http_endpoint(cls, url: str | None) -> str | None:
-        if url is not None:
-            parsed = urlparse(url)
-            if parsed.scheme not in ("http", "https") or not parsed.hostname:
-                raise ValueError(f"{mask_uri(url)!r} is not an http(s) URL with a host")
-        return url
-
-    def build(self, output_dir: str | Path | None = None) -> CheckpointStore:
-        """The store at ``uri``, or at ``<output_dir>/checkpoints`` when ``uri`` is not set."""
+    def build(self, output_dir: str | Path | None = None, s3: S3Config | None = None) -> CheckpointStore:
+        """The store at ``uri``, or at ``<output_dir>/checkpoints`` when ``uri`` is not set; an S3 store is reached
+        with ``s3`` (the run's ``s3`` section; default: boto3's own configuration)."""
         if self.uri is None and output_dir is None:
             raise UserError("checkpoint.uri is not set and no output directory was given")
         uri = self.uri if self.uri is not None else str(Path(output_dir) / "checkpoints")
         if uri.startswith("s3://"):
             bucket, _, prefix = _canonical_location(uri)[len("s3://") :].partition("/")
-            backend = S3Backend(self.open_s3_client(), bucket, prefix, self._transfer_config())
+            # The transfer manager runs max_concurrency requests at once; fewer pooled connections would serialise them.
+            client = (s3 or S3Config()).client(max_pool_connections=max(10, self.max_concurrency))
+            backend = S3Backend(client, bucket, prefix, self._transfer_config())
         else:
             backend = LocalBackend(_local_path(uri))
         return CheckpointStore(backend, outage_retry_s=self.outage_retry_s)
-
-    def open_s3_client(self):
-        """A client with this section's endpoint, timeouts and retries (the scheduler's markers use it too)."""
-        # The transfer manager runs max_concurrency requests at once; fewer pooled connections would serialise them.
-        return s3_client(
-            endpoint_url=self.endpoint_url,
-            region_name=self.region_name,
-            addressing_style=self.addressing_style,
-            retry_mode=self.retry_mode,
-            max_attempts=self.max_attempts,
-            connect_timeout_s=self.connect_timeout_s,
-            read_timeout_s=self.read_timeout_s,
-            max_pool_connections=max(10, self.max_concurrency),
-        )
 
     def _transfer_config(self) -> TransferConfig:
         return TransferConfig(
@@ -356,7 +322,7 @@ class LocalBackend:
         return sizes
 
     def sha256(self, keys: Sequence[str]) -> dict[str, str]:
-        return {key: file_sha256(self.root / key) for key in keys}
+        return {key: _sha256_and_size(self.root / key)[0] for key in keys}
 
     def child_dirs(self) -> list[str]:
         return [path.name for path in self.root.iterdir() if path.is_dir()] if self.root.is_dir() else []
@@ -396,7 +362,7 @@ class LocalBackend:
 
     def seal_step(self, step: int) -> None:
         fsync_tree(self.root / self.incoming(step))
-        move_into_place(self.root / self.incoming(step), self.root / step_dir(step))
+        _move_into_place(self.root / self.incoming(step), self.root / step_dir(step))
 
     def abandon_step(self, step: int) -> None:
         shutil.rmtree(self.root / self.incoming(step), ignore_errors=True)
@@ -711,7 +677,7 @@ class CheckpointStore:
         problems = {
             entry.path: "downloaded copy differs from the manifest"
             for entry in manifest.files
-            if sha256_and_size(local_dir / entry.path) != (entry.sha256, entry.size)
+            if _sha256_and_size(local_dir / entry.path) != (entry.sha256, entry.size)
         }
         _raise_if_problems(where, problems)
         return manifest
@@ -754,22 +720,14 @@ class CheckpointStore:
 
     # --- Retention -----------------------------------------------------------------------------------------------
 
-    def prune(
-        self,
-        *,
-        keep_last: int,
-        best_metric: str | None = None,
-        higher_is_better: bool = True,
-        run_id: str | None = None,
-    ) -> list[int]:
-        """Delete committed steps except the last ``keep_last``, the best by ``manifest.extra[best_metric]`` and
-        ``latest``; return the deleted steps. With ``run_id`` only that run's steps are considered (another run's,
+    def prune(self, retention: CheckpointConfig, *, run_id: str | None = None) -> list[int]:
+        """Delete committed steps except the last ``retention.keep_last`` (never fewer than two, which
+        ``CheckpointConfig`` checks: the newest checkpoint can still turn out corrupt when it is read back, and one
+        older one must survive it), the best by ``manifest.extra[retention.best_metric]`` and ``latest``; return the
+        deleted steps. With ``run_id`` only that run's steps are considered (another run's,
         and old manifests without a run id, are never deleted). Uncommitted (in-flight) steps, steps that failed
         verification and steps with an unreadable manifest are never touched. A failed deletion or an unreachable
         store is logged, not raised: pruning is housekeeping and must not stop training."""
-        # The newest checkpoint can still turn out corrupt when it is read back; one older one must survive it.
-        if keep_last < 2:
-            raise UserError(f"keep_last must be >= 2, got {keep_last}")
         try:
             manifests = self._readable_manifests(self.list_steps())
             ours = {
@@ -777,12 +735,12 @@ class CheckpointStore:
                 for step, manifest in manifests.items()
                 if step not in self._failed and (run_id is None or manifest.run_id == run_id)
             }
-            keep = set(sorted(ours)[-keep_last:]) | {self.latest_step()}
+            keep = set(sorted(ours)[-retention.keep_last :]) | {self.latest_step()}
         except (StoreUnavailable, StorageError) as error:
             logger.warning("not pruning %s: %s", self.uri, error)
             return []
-        if best_metric is not None:
-            keep.add(_best_step(ours, best_metric, higher_is_better))
+        if retention.best_metric is not None:
+            keep.add(_best_step(ours, retention.best_metric, retention.higher_is_better))
         return [step for step in sorted(ours) if step not in keep and self._delete_step(step)]
 
     # --- Internals -----------------------------------------------------------------------------------------------
@@ -1033,7 +991,7 @@ def _staged_files(local_dir: Path) -> list[tuple[Path, str]]:
 
 
 def _file_entry(path: Path, relpath: str) -> FileEntry:
-    sha256, size = sha256_and_size(path)
+    sha256, size = _sha256_and_size(path)
     return FileEntry(path=relpath, size=size, sha256=sha256)
 
 
@@ -1054,6 +1012,15 @@ def _raise_if_problems(where: str, problems: Mapping[str, str]) -> None:
         raise CheckpointError(f"{where} fails verification: {listed}{more}")
 
 
+def _sha256_and_size(path: Path) -> tuple[str, int]:
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as file:
+        while chunk := file.read(_HASH_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
+
+
 class _HashingSink:
     """A write-only file object that keeps only the sha256 of what passes through it."""
 
@@ -1070,6 +1037,19 @@ class _HashingSink:
 
 def _durable_copy(source: Path, target: Path) -> None:
     with open(source, "rb") as reader, open(target, "wb") as writer:
-        shutil.copyfileobj(reader, writer, CHUNK_BYTES)
+        shutil.copyfileobj(reader, writer, _HASH_CHUNK)
         writer.flush()
         os.fsync(writer.fileno())
+
+
+def _move_into_place(staging: Path, target: Path) -> None:
+    if target.exists():
+        # os.replace cannot overwrite a non-empty directory; moving the old one aside keeps the step directory from
+        # ever being a mix of old and new files.
+        discarded = target.with_name(f".discarded-{target.name}-{uuid.uuid4().hex}")
+        os.replace(target, discarded)
+        os.replace(staging, target)
+        shutil.rmtree(discarded, ignore_errors=True)
+    else:
+        os.replace(staging, target)
+    fsync_dir(target.parent)

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sage_grpo.core import config_loading
 from sage_grpo.core.errors import UserError
 from sage_grpo.core.rewards import RewardSpec, VideoBatch
+from sage_grpo.core.s3 import S3Config
 from sage_grpo.pipeline.config import load_run_config
 from sage_grpo.stages.ingest import DataConfig, ingest
 from sage_grpo.stages.score import Scorer, ScoringConfig
@@ -75,6 +76,7 @@ class _RewardsFile(BaseModel):
     rewards: list[RewardSpec] = Field(min_length=1)
     scoring: ScoringConfig = Field(default_factory=ScoringConfig)
     data: DataConfig | None = None
+    s3: S3Config = Field(default_factory=S3Config)
 
 
 @dataclass
@@ -83,6 +85,7 @@ class _Target:
     size: VideoSize
     data: DataConfig | None
     timeout_s: float | None
+    s3: S3Config  # how an s3:// data source is read
 
 
 def check_reward(
@@ -107,7 +110,7 @@ def check_reward(
     found = _load_target(target, list(overrides))
     source = DataConfig(source=data) if data else found.data
     size = size or found.size
-    prompts, metadata = _prompts(source, num_videos)
+    prompts, metadata = _prompts(source, num_videos, found.s3)
     videos = synthetic_videos(num_videos, size, seed)
     columns = sorted({name for row in metadata for name in row}) if metadata else []
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -147,19 +150,23 @@ def _load_target(target: str, overrides: list[str]) -> _Target:
         if "data" in raw:  # a run config: validated whole, as ``run`` would
             config = load_run_config(target, overrides)
             return _Target(
-                config.rewards, VideoSize.from_model_kwargs(config.model.kwargs), config.data, config.scoring.timeout_s
+                config.rewards,
+                VideoSize.from_model_kwargs(config.model.kwargs),
+                config.data,
+                config.scoring.timeout_s,
+                config.s3,
             )
         rewards = config_loading.validate(_RewardsFile, config_loading.apply_overrides(raw, overrides), target)
-        return _Target(rewards.rewards, VideoSize(), rewards.data, rewards.scoring.timeout_s)
+        return _Target(rewards.rewards, VideoSize(), rewards.data, rewards.scoring.timeout_s, rewards.s3)
     spec = config_loading.validate(RewardSpec, config_loading.apply_overrides({"name": target}, overrides), target)
-    return _Target([spec], VideoSize(), None, ScoringConfig().timeout_s)
+    return _Target([spec], VideoSize(), None, ScoringConfig().timeout_s, S3Config())
 
 
-def _prompts(source: DataConfig | None, count: int) -> tuple[list[str], list[dict] | None]:
+def _prompts(source: DataConfig | None, count: int, s3: S3Config) -> tuple[list[str], list[dict] | None]:
     """``count`` prompts (repeated if the source has fewer) and their metadata; None without a source."""
     if source is None:
         return [FALLBACK_PROMPTS[i % len(FALLBACK_PROMPTS)] for i in range(count)], None
-    prompt_set = ingest(source)
+    prompt_set = ingest(source, s3)
     pool = prompt_set.train + prompt_set.eval
     chosen = [pool[i % len(pool)] for i in range(count)]
     return [p.text for p in chosen], [p.metadata for p in chosen]

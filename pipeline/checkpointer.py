@@ -99,7 +99,7 @@ class Checkpointer:
     the staging is kept and the committed steps are intact."""
 
     def __init__(self, config: RunConfig, engine, states: dict[str, Stateful]):
-        self.store = config.checkpoint.build(config.output_dir)
+        self.store = config.checkpoint.build(config.output_dir, config.s3)
         self.engine = engine
         self.states = states
         self.every = config.checkpoint.every
@@ -157,12 +157,7 @@ class Checkpointer:
             extra={**(metrics or {}), "iteration": step},
             run_id=self.run_id,
         )
-        self.store.prune(
-            keep_last=self.retention.keep_last,
-            best_metric=self.retention.best_metric,
-            higher_is_better=self.retention.higher_is_better,
-            run_id=self.run_id,
-        )
+        self.store.prune(self.retention, run_id=self.run_id)
         logger.info("checkpoint step-%d committed to %s", step, self.store.uri)
 
     def load(

@@ -18,6 +18,7 @@ from sage_grpo.core.models import ModelConfig, sequence_layout
 from sage_grpo.core.models.base import check_sequence_split
 from sage_grpo.core.registry import RegistryConfig
 from sage_grpo.core.rewards.registry import RewardSpec
+from sage_grpo.core.s3 import S3Config
 from sage_grpo.core.storage import CheckpointConfig
 from sage_grpo.core.tracking import TrackingConfig
 from sage_grpo.stages.engine import DeepSpeedConfig, check_optimizer_fits, deepspeed_config
@@ -26,6 +27,13 @@ from sage_grpo.stages.ingest import DataConfig
 from sage_grpo.stages.rollout import RolloutConfig, SDEConfig
 from sage_grpo.stages.score import ScoringConfig
 from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig
+
+# Keys a release moved: a config that still sets one is refused with a line naming its new place.
+MOVED_KEYS = {
+    **{f"checkpoint.{key}": f"s3.{key}" for key in S3Config.model_fields},
+    "data.s3_endpoint_url": "s3.endpoint_url",
+    "update.seed": "seed",
+}
 
 
 class _Section(BaseModel):
@@ -46,7 +54,9 @@ class RunSection(_Section):
 
 
 class RunConfig(_Section):
-    seed: int = Field(0, ge=0, lt=2**63)  # torch and the per-sample generators take a non-negative int64
+    # The run's one seed: torch's, the prompt order's, each iteration's sampling seed and the update's order derive
+    # from it (eval.seed stays fixed on purpose: every run is evaluated on the same noise). A non-negative int64.
+    seed: int = Field(0, ge=0, lt=2**63)
     run: RunSection = Field(default_factory=RunSection)
     model: ModelConfig = Field(default_factory=ModelConfig)
     sde: SDEConfig = Field(default_factory=SDEConfig)
@@ -62,7 +72,17 @@ class RunConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    s3: S3Config = Field(default_factory=S3Config)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_moved_keys(cls, data: object) -> object:
+        for old, new in MOVED_KEYS.items():
+            section, key = old.split(".")
+            if isinstance(data, dict) and isinstance(data.get(section), dict) and key in data[section]:
+                raise ValueError(f"{old} moved to {new}")
+        return data
 
     @model_validator(mode="after")
     def _combinations(self):

@@ -118,7 +118,7 @@ class SageGRPORecipe:
         distributed.init(config.deepspeed.collective_timeout_minutes)
         distributed.init_sequence_parallel(config.parallel.sequence_parallel_size)
         make_writable_folder(config.output_dir, "run.output_dir")
-        checkpoint_root = config.checkpoint.build(config.output_dir).uri
+        checkpoint_root = config.checkpoint.build(config.output_dir, config.s3).uri
         if not checkpoint_root.startswith("s3://"):
             make_writable_folder(checkpoint_root, "checkpoint.uri")
         if distributed.is_main():
@@ -217,12 +217,12 @@ class SageGRPORecipe:
             self.checkpoint_name = f"step-{step}"
 
     def _setup_prompts(self) -> None:
-        self.prompt_set = ingest(self.config.data)
+        self.prompt_set = ingest(self.config.data, self.config.s3)
         logger.info("prompts: %s", self.prompt_set.report.summary())
         self.train_prompts = [p.text for p in self.prompt_set.train]
         if self.config.eval.source:
             fixed = self.config.data.model_copy(update={"source": self.config.eval.source, "eval_fraction": 0.0})
-            held_out = ingest(fixed).train
+            held_out = ingest(fixed, self.config.s3).train
         else:
             held_out = self.prompt_set.eval[: self.config.eval.num_prompts]
         self.eval_prompts = [p.text for p in held_out]

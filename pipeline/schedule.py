@@ -13,8 +13,8 @@ a completed run evaluates its final policy on the held-out prompts, exports it a
 started before this layout also have an ``evaluate`` step marker; it is ignored (the run-end publish evaluates).
 Both steps run with this interpreter (``python -m``: cron's PATH need not hold the venv) and receive the same config,
 overrides and environment, so they resolve the same tracking server. The schedule's own S3 calls (markers, the
-prompts listing) use the run's S3 settings: ``checkpoint.*`` for the checkpoint root, ``data.s3_endpoint_url`` for
-the prompts; an unreachable store stops the schedule with exit 75 (retryable), nothing started.
+prompts listing) use the run's ``s3`` settings, as its checkpoints and ingest do; an unreachable store stops the
+schedule with exit 75 (retryable), nothing started.
 
 The registry outlives each run, so the config must name a shared MLflow server (``tracking.tracking_uri`` or
 ``MLFLOW_TRACKING_URI``); a run's embedded store would hold one version each day and promote every one of them. This
@@ -45,7 +45,6 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import date
-from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -267,15 +266,14 @@ def check_config(decision: Decision, args: ScheduleOptions, root: Store) -> None
 
 
 def stores(args: ScheduleOptions) -> tuple[Store, Store]:
-    """The checkpoint root and the prompts location, reached with the run's own S3 settings: ``checkpoint.*`` and
-    ``data.s3_endpoint_url`` of the config and the user's overrides (the prompts location stands in for data.source,
-    which is the schedule's to set)."""
+    """The checkpoint root and the prompts location, reached with the run's own ``s3`` settings (the config's and the
+    user's overrides; the prompts location stands in for data.source, which is the schedule's to set)."""
     from sage_grpo.pipeline.config import load_run_config
 
     config = load_run_config(args.config, [*args.overrides, f"data.source={args.prompts}"])
     return (
-        Store(args.checkpoint_root, config.checkpoint.open_s3_client),
-        Store(args.prompts, partial(s3_client, endpoint_url=config.data.s3_endpoint_url)),
+        Store(args.checkpoint_root, config.s3.client),
+        Store(args.prompts, config.s3.client),
     )
 
 

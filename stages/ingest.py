@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 from sage_grpo.core.errors import UserError
 from sage_grpo.core.files import atomic_path
 from sage_grpo.core.models.base import PromptEmbeddings
-from sage_grpo.core.s3 import s3_client
+from sage_grpo.core.s3 import S3Config
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,6 @@ class DataConfig(BaseModel):
     max_prompt_chars: int = Field(1000, ge=1)
     eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
     split_salt: str = "sage-grpo"  # change it to draw a different split of the same prompts
-    s3_endpoint_url: str | None = None  # e.g. a MinIO or Ceph gateway; None means AWS
 
 
 @dataclass(frozen=True)
@@ -95,10 +94,11 @@ class PromptSet:
         return [prompts[int(index)].metadata for index in ids]
 
 
-def ingest(config: DataConfig) -> PromptSet:
-    """The whole stage: read, decode, validate, deduplicate, split."""
+def ingest(config: DataConfig, s3: S3Config | None = None) -> PromptSet:
+    """The whole stage: read, decode, validate, deduplicate, split. An s3:// source is read with ``s3`` (the run's
+    ``s3`` section; default: boto3's own configuration)."""
     suffix = _suffix(config.source)
-    text = decode(read_source(config), config.source)
+    text = decode(read_source(config, s3), config.source)
     report = IngestReport()
     prompts = _keep_valid_unique(_entries(text, suffix, config.prompt_column, config.source), config, report)
     log.info("ingest %s: %s", config.source, report.summary())
@@ -122,22 +122,22 @@ def _suffix(source: str) -> str:
 # --- 1. Reading -------------------------------------------------------------------------------------------------
 
 
-def read_source(config: DataConfig) -> bytes:
+def read_source(config: DataConfig, s3: S3Config | None = None) -> bytes:
     if config.source.startswith("s3://"):
-        return _read_s3(config.source, config.s3_endpoint_url)
+        return _read_s3(config.source, s3 or S3Config())
     path = Path(config.source)
     if not path.is_file():
         raise UserError(f"data.source {path} does not exist")
     return path.read_bytes()
 
 
-def _read_s3(uri: str, endpoint_url: str | None) -> bytes:
+def _read_s3(uri: str, s3: S3Config) -> bytes:
     from botocore.exceptions import BotoCoreError, ClientError
 
     bucket, _, key = uri.removeprefix("s3://").partition("/")
     if not bucket or not key:
         raise UserError(f"data.source {uri!r} is not of the form s3://bucket/key")
-    client = s3_client(endpoint_url=endpoint_url)
+    client = s3.client()
     try:
         return client.get_object(Bucket=bucket, Key=key)["Body"].read()
     except (ClientError, BotoCoreError) as error:

@@ -6,6 +6,7 @@ import boto3
 import pytest
 
 from sage_grpo.core.errors import UserError
+from sage_grpo.core.s3 import S3Config
 from sage_grpo.stages.ingest import DataConfig, ingest
 
 pytestmark = pytest.mark.integration
@@ -22,7 +23,7 @@ def test_jsonl_prompts_from_s3(s3_server, s3_bucket):
     s3.put_object(Bucket=s3_bucket, Key="prompts/set.jsonl", Body="\n".join(lines).encode())
 
     prompts = ingest(
-        DataConfig(source=f"s3://{s3_bucket}/prompts/set.jsonl", s3_endpoint_url=s3_server, eval_fraction=0.0)
+        DataConfig(source=f"s3://{s3_bucket}/prompts/set.jsonl", eval_fraction=0.0), S3Config(endpoint_url=s3_server)
     )
 
     assert [(p.text, p.metadata) for p in prompts.train] == [
@@ -34,5 +35,5 @@ def test_jsonl_prompts_from_s3(s3_server, s3_bucket):
 
 def test_missing_s3_object_is_a_one_line_user_error(s3_server, s3_bucket):
     with pytest.raises(UserError, match="cannot read data.source") as error:
-        ingest(DataConfig(source=f"s3://{s3_bucket}/absent.jsonl", s3_endpoint_url=s3_server))
+        ingest(DataConfig(source=f"s3://{s3_bucket}/absent.jsonl"), S3Config(endpoint_url=s3_server))
     assert "\n" not in str(error.value)

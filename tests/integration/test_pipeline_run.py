@@ -120,8 +120,8 @@ def test_checkpoints_on_s3_commit_and_resume(s3_server, s3_bucket, tmp_path):
 
     location = [
         f"checkpoint.uri=s3://{s3_bucket}/runs/demo",
-        f"checkpoint.endpoint_url={s3_server}",
-        "checkpoint.addressing_style=path",
+        f"s3.endpoint_url={s3_server}",
+        "s3.addressing_style=path",
         "eval.every=0",
     ]
     first = run_sagegrpo(tmp_path, "run.max_iterations=2", *location)

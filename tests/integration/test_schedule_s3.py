@@ -37,13 +37,13 @@ def _schedule(cwd, *arguments: str) -> subprocess.CompletedProcess:
 
 
 def test_the_schedule_reaches_the_checkpoint_root_with_the_runs_s3_settings(s3_server, s3_bucket, tmp_path):
-    # An unfinished run's markers, on a store only checkpoint.endpoint_url names (no AWS_ENDPOINT_URL).
+    # An unfinished run's markers, on a store only s3.endpoint_url names (no AWS_ENDPOINT_URL).
     client = boto3.client("s3", endpoint_url=s3_server)
     client.put_object(Bucket=s3_bucket, Key="scheduled/sage-2026-12-01/schedule/prompt_set", Body=b"2026-12-01.txt\n")
     (tmp_path / "prompts").mkdir()
     result = _schedule(
         tmp_path,
-        f"checkpoint.endpoint_url={s3_server}",
+        f"s3.endpoint_url={s3_server}",
         "tracking.tracking_uri=http://127.0.0.1:9",  # never contacted: a dry run
         "--prompts",
         str(tmp_path / "prompts"),
@@ -63,16 +63,16 @@ def test_the_schedule_reaches_the_checkpoint_root_with_the_runs_s3_settings(s3_s
     assert promote[:4] == [sys.executable, "-m", "sage_grpo.pipeline.cli", "promote"]
     # Both steps get the user's overrides (the endpoint and the tracking server among them).
     for command in (train, promote):
-        assert {f"checkpoint.endpoint_url={s3_server}", "tracking.tracking_uri=http://127.0.0.1:9"} <= set(command)
+        assert {f"s3.endpoint_url={s3_server}", "tracking.tracking_uri=http://127.0.0.1:9"} <= set(command)
 
 
 def test_an_unreachable_checkpoint_root_is_one_line_and_retryable(aws_credentials, tmp_path):
     (tmp_path / "prompts").mkdir()
     result = _schedule(
         tmp_path,
-        f"checkpoint.endpoint_url=http://127.0.0.1:{free_port()}",  # nothing listens there
-        "checkpoint.max_attempts=1",
-        "checkpoint.connect_timeout_s=1",
+        f"s3.endpoint_url=http://127.0.0.1:{free_port()}",  # nothing listens there
+        "s3.max_attempts=1",
+        "s3.connect_timeout_s=1",
         "tracking.tracking_uri=http://127.0.0.1:9",
         "--prompts",
         str(tmp_path / "prompts"),

@@ -16,6 +16,7 @@ import boto3
 import pytest
 
 from sage_grpo.core.errors import StoreUnavailable
+from sage_grpo.core.s3 import S3Config
 from sage_grpo.core.storage import (
     MANIFEST_NAME,
     CheckpointConfig,
@@ -46,7 +47,11 @@ def stage_checkpoint(directory: Path, seed: int, files: dict[str, int] = SMALL_F
 
 
 def s3_store(endpoint_url: str, bucket: str, **settings) -> CheckpointStore:
-    return CheckpointConfig(uri=f"s3://{bucket}/{PREFIX}", endpoint_url=endpoint_url, **settings).build()
+    """A store at ``bucket``; ``settings``: keys of the ``checkpoint`` section or of the ``s3`` section."""
+    s3 = {key: value for key, value in settings.items() if key in S3Config.model_fields}
+    checkpoint = {key: value for key, value in settings.items() if key not in s3}
+    config = CheckpointConfig(uri=f"s3://{bucket}/{PREFIX}", **checkpoint)
+    return config.build(s3=S3Config(endpoint_url=endpoint_url, **s3))
 
 
 def commit_step(store: CheckpointStore, tmp_path: Path, step: int, **extra) -> Path:
@@ -152,7 +157,7 @@ def test_crash_mid_commit_leaves_latest_and_the_partial_step_alone(tmp_path, sto
     assert store.latest_step() == 3 and store.list_steps() == [1, 2, 3]
     with pytest.raises(CheckpointError, match="not a committed checkpoint"):
         store.resolve(4)
-    assert store.prune(keep_last=2) == [1]
+    assert store.prune(CheckpointConfig(keep_last=2)) == [1]
     partial = s3.list_objects_v2(Bucket=s3_bucket, Prefix=f"{PREFIX}/step-4/")["KeyCount"]
     assert partial == 1  # the in-flight step is not pruned
     assert store.resolve("auto") == 3
@@ -191,7 +196,7 @@ def test_prune_deletes_whole_steps_and_keeps_best_and_latest(tmp_path, store, s3
         commit_step(store, tmp_path, step, eval_reward=reward)
     store.backend.write_bytes("latest", b"3\n")
 
-    assert store.prune(keep_last=2, best_metric="eval_reward") == [2]
+    assert store.prune(CheckpointConfig(keep_last=2, best_metric="eval_reward")) == [2]
     assert store.list_steps() == [1, 3, 4, 5]
     assert s3.list_objects_v2(Bucket=s3_bucket, Prefix=f"{PREFIX}/step-2/")["KeyCount"] == 0
 
@@ -327,4 +332,4 @@ def test_a_broken_step_is_moved_aside_not_overwritten(tmp_path, store, s3, s3_bu
     ]
     shard = [key for key in aside if key.endswith(SHARD)]
     assert len(shard) == 1 and s3.get_object(Bucket=s3_bucket, Key=shard[0])["Body"].read() == broken
-    assert store.prune(keep_last=2) == []  # nothing set aside is ever a step to prune
+    assert store.prune(CheckpointConfig(keep_last=2)) == []  # nothing set aside is ever a step to prune

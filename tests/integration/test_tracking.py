@@ -18,7 +18,8 @@ pytestmark = pytest.mark.integration
 
 RESOLVED_CONFIG = {
     "model": {"name": "tiny", "hf_token": "hf_abcdef"},
-    "checkpoint": {"uri": "s3://bucket/run", "endpoint_url": "https://alice:s3cr3t@minio.local:9000"},
+    "checkpoint": {"uri": "s3://bucket/run"},
+    "s3": {"endpoint_url": "https://alice:s3cr3t@minio.local:9000"},
     "rewards": [{"name": "clip", "weight": 1.0, "api_key": "sk-live"}],
     "update": {"learning_rate": 1e-5, "betas": [0.9, 0.999]},
     "tracking": {"password": None},
@@ -55,7 +56,7 @@ def test_params_are_flattened_and_masked_and_metrics_and_artifacts_arrive(mlflow
         "model.name": "tiny",
         "model.hf_token": "***",
         "checkpoint.uri": "s3://bucket/run",
-        "checkpoint.endpoint_url": "https://***@minio.local:9000",
+        "s3.endpoint_url": "https://***@minio.local:9000",
         "rewards.0.name": "clip",
         "rewards.0.weight": "1.0",
         "rewards.0.api_key": "***",

@@ -118,3 +118,38 @@ def test_the_saved_config_masks_secrets_but_keeps_the_rest():
     assert "hunter2" not in text and "s3cr3t" not in text
     assert saved["rewards"][0]["kwargs"]["api_token"] == "***"
     assert saved["checkpoint"]["uri"] == "s3://bucket/ckpt" and saved["sde"]["eta"] == config.sde.eta
+
+
+@pytest.mark.parametrize(
+    "override,replacement",
+    [
+        ("checkpoint.endpoint_url=http://minio:9000", "s3.endpoint_url"),
+        ("checkpoint.addressing_style=path", "s3.addressing_style"),
+        ("checkpoint.read_timeout_s=5.5", "s3.read_timeout_s"),
+        ("data.s3_endpoint_url=http://minio:9000", "s3.endpoint_url"),
+        ("update.seed=3", "seed"),
+    ],
+)
+def test_a_moved_key_is_refused_with_where_it_went(override, replacement):
+    old, value = override.split("=")
+    with pytest.raises(UserError) as error:
+        load_run_config(REPO / "configs" / "demo.yaml", [override])
+    assert str(error.value).endswith(f"{old} moved to {replacement}") and "\n" not in str(error.value)
+    section, _, key = replacement.rpartition(".")
+    config = load_run_config(REPO / "configs" / "demo.yaml", [f"{replacement}={value}"])  # its new place takes it
+    assert str(getattr(getattr(config, section) if section else config, key)) == value
+
+
+def test_the_checkpoint_store_and_the_scheduler_reach_s3_through_the_one_s3_section(tmp_path):
+    from sage_grpo.pipeline.schedule import ScheduleOptions, stores
+
+    overrides = ("s3.endpoint_url=http://minio:9000", "s3.addressing_style=path", "s3.region_name=eu-west-1")
+    config = load_run_config(REPO / "configs" / "demo.yaml", list(overrides))
+    checkpoints = config.checkpoint.model_copy(update={"uri": "s3://bucket/run"}).build(s3=config.s3)
+    options = ScheduleOptions(
+        str(REPO / "configs" / "demo.yaml"), "s3://bucket/prompts", "s3://bucket/runs", "m", overrides=overrides
+    )
+    clients = [checkpoints.backend._client, *(store._s3 for store in stores(options))]
+    for client in clients:
+        assert client.meta.endpoint_url == "http://minio:9000" and client.meta.region_name == "eu-west-1"
+        assert client.meta.config.s3["addressing_style"] == "path"

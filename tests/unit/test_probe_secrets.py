@@ -46,8 +46,7 @@ POSITIONS = [
     (_judge(api_key="ApiK3ySecretValue"), "ApiK3ySecretValue"),
     (_judge(url="http://judge:Url5ecretPw@judge.local/score"), "Url5ecretPw"),
     (_judge(url="https://judge:pw@at@Tail5ecret@judge.local/score"), "pw@at@Tail5ecret"),
-    ("data.s3_endpoint_url=http://AKIA:Mini@Pa55w0@Word9@minio:9000", "Mini@Pa55w0@Word9"),
-    ("checkpoint.endpoint_url=https://KEY:Ckpt5ecretPw@minio:9000", "Ckpt5ecretPw"),
+    ("s3.endpoint_url=http://AKIA:Mini@Pa55w0@Word9@minio:9000", "Mini@Pa55w0@Word9"),
     ("tracking.tracking_uri=postgresql+psycopg2://mlflow:Pg5ecretPw@db:5432/mlflow", "Pg5ecretPw"),
     ("registry.base_model=https://hub:Hub5ecret@hub.example/org/model", "Hub5ecret"),
 ]
@@ -141,7 +140,7 @@ def test_a_registered_policy_loads_with_its_credential_from_the_environment(tmp_
 REFUSED = [
     (["tracking.tracking_uri=ftp://u:Ftp5ecretPw@h/"], "Ftp5ecretPw"),
     (["tracking.tracking_uri=s3://KEY:S3Secret9@bucket/mlflow"], "S3Secret9"),
-    (["checkpoint.endpoint_url=ftp://KEY:Ckpt@Secret9@minio:9000"], "Ckpt@Secret9"),
+    (["s3.endpoint_url=ftp://KEY:Ckpt@Secret9@minio:9000"], "Ckpt@Secret9"),
     (["checkpoint.uri=ftp://KEY:Uri5ecret@host/x"], "Uri5ecret"),
 ]
 
@@ -198,7 +197,7 @@ def test_logs_warnings_and_tracebacks_are_masked_once_the_process_masks_its_outp
         # Path() collapses the source's "//": the error quotes http:/user:...@host
         (["data.source=http://user:Src@Secret9@host/prompts.txt"], "Src@Secret9"),
         # botocore's message quotes the endpoint URL with its user-info
-        (["data.source=s3://b/k.txt", "data.s3_endpoint_url=http://AK:End@Secret9@127.0.0.1:{port}/"], "End@Secret9"),
+        (["data.source=s3://b/k.txt", "s3.endpoint_url=http://AK:End@Secret9@127.0.0.1:{port}/"], "End@Secret9"),
     ],
     ids=["collapsed-source", "s3-endpoint"],
 )

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from sage_grpo.core.errors import StoreUnavailable, UserError
+from sage_grpo.core.s3 import S3Config
 from sage_grpo.core.storage import (
     MANIFEST_NAME,
     CheckpointConfig,
@@ -216,7 +217,7 @@ def test_prune_keeps_last_k_best_latest_and_uncommitted(tmp_path, root, store):
     store.backend.write_bytes("latest", b"3\n")  # e.g. a run restarted from step 3
     in_flight = stage_checkpoint(root / "step-7", seed=7)  # files, no manifest yet
 
-    assert store.prune(keep_last=2, best_metric="eval_reward") == [1, 4]
+    assert store.prune(CheckpointConfig(keep_last=2, best_metric="eval_reward")) == [1, 4]
     assert store.list_steps() == [2, 3, 5, 6]
     assert same_tree(in_flight, root / "step-7")
 
@@ -224,7 +225,7 @@ def test_prune_keeps_last_k_best_latest_and_uncommitted(tmp_path, root, store):
 def test_prune_best_can_be_the_lowest(tmp_path, store):
     for step, loss in {1: 0.1, 2: 0.5, 3: 0.7, 4: 0.9}.items():
         commit_step(store, tmp_path, step, eval_loss=loss)
-    assert store.prune(keep_last=2, best_metric="eval_loss", higher_is_better=False) == [2]
+    assert store.prune(CheckpointConfig(keep_last=2, best_metric="eval_loss", higher_is_better=False)) == [2]
 
 
 def test_prune_logs_a_failed_deletion_and_carries_on(tmp_path, store, monkeypatch, caplog):
@@ -239,14 +240,15 @@ def test_prune_logs_a_failed_deletion_and_carries_on(tmp_path, store, monkeypatc
 
     monkeypatch.setattr(store.backend, "delete_tree", failing_delete_tree)
     with caplog.at_level(logging.WARNING, logger="sage_grpo.core.storage"):
-        assert store.prune(keep_last=2) == [2]
+        assert store.prune(CheckpointConfig(keep_last=2)) == [2]
     assert "could not delete" in caplog.text and "read-only" in caplog.text
     assert store.list_steps() == [3, 4]  # step 1 lost its manifest first: leftover files, never a broken checkpoint
 
 
-def test_prune_refuses_to_keep_a_single_checkpoint(store):
-    with pytest.raises(UserError, match="keep_last"):
-        store.prune(keep_last=1)
+def test_retention_refuses_to_keep_a_single_checkpoint():
+    # The one check of the rule: prune takes its retention from a CheckpointConfig, which cannot hold fewer than two.
+    with pytest.raises(ValidationError, match="keep_last"):
+        CheckpointConfig(keep_last=1)
 
 
 def test_commit_refuses_empty_or_reserved_staging(tmp_path, store):
@@ -263,7 +265,7 @@ def test_config_checks_its_values_and_defaults_to_the_output_dir(tmp_path):
     for bad in (
         {"uri": "gs://bucket/run"},
         {"uri": "s3:///run"},
-        {"retry_mode": "legacy"},
+        {"endpoint_url": "http://minio:9000"},  # the s3 section's now
         {"keep_last": 1},
         {"unknown_key": 1},
     ):
@@ -322,9 +324,9 @@ def test_ordinary_s3_uris_are_accepted(uri):
 
 def test_an_endpoint_url_is_an_http_url_and_refusals_mask_its_credentials():
     with pytest.raises(ValidationError) as refused:
-        CheckpointConfig(endpoint_url="ftp://KEY:SECRET@minio:9000")
+        S3Config(endpoint_url="ftp://KEY:SECRET@minio:9000")
     assert "SECRET" not in str(refused.value.errors()[0]["msg"])
-    assert CheckpointConfig(endpoint_url="http://minio:9000").endpoint_url == "http://minio:9000"
+    assert S3Config(endpoint_url="http://minio:9000").endpoint_url == "http://minio:9000"
 
 
 # --- Outages -----------------------------------------------------------------------------------------------------
@@ -409,7 +411,7 @@ def test_auto_refuses_when_every_checkpoint_fails_verification_unless_fresh_star
             config_hash="c",
             run_id="fresh-run",
         )
-        store.prune(keep_last=2, run_id="fresh-run")
+        store.prune(CheckpointConfig(keep_last=2), run_id="fresh-run")
     assert store.list_steps() == [4, 5]
     set_aside = sorted(path.name for path in root.iterdir() if path.name.startswith("set-aside-"))
     assert [name.split("-")[3] for name in set_aside] == ["1", "2", "3"]
@@ -423,7 +425,7 @@ def test_prune_never_deletes_a_step_that_failed_verification(tmp_path, root, sto
     flip_byte(root / "step-2" / SHARD)
     with pytest.raises(CheckpointError):
         store.resolve(2)
-    assert store.prune(keep_last=2) == [1, 3]
+    assert store.prune(CheckpointConfig(keep_last=2)) == [1, 3]
     assert store.list_steps() == [2, 4, 5]
 
 
@@ -462,7 +464,7 @@ def test_prune_never_deletes_another_runs_steps(tmp_path, root, store):
         store.commit(
             stage_checkpoint(tmp_path / f"b{step}", seed=step), step, world_size=2, config_hash="c", run_id="run-b"
         )
-    assert store.prune(keep_last=2, run_id="run-b") == [4, 5]
+    assert store.prune(CheckpointConfig(keep_last=2), run_id="run-b") == [4, 5]
     assert store.list_steps() == [1, 2, 3, 6, 7]
 
 
