@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from sage_grpo.core.schedules import lr_multiplier
+from sage_grpo.core.lr_schedules import lr_multiplier
 from tests.integration.pipeline_runs import REPO, environment, metric_history, only_run_id, sagegrpo_command
 
 pytestmark = pytest.mark.integration

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sage_grpo.core.schedules import lr_multiplier
+from sage_grpo.core.lr_schedules import lr_multiplier
 from sage_grpo.stages.engine import deepspeed_config
 
 pytestmark = pytest.mark.unit
