@@ -1,4 +1,4 @@
-"""The KL anchor: a frozen copy of the trainable weights, held as each rank's own partitions.
+"""Stage 5, the KL anchor: a frozen copy of the trainable weights, held as each rank's own partitions.
 
 Recipe: ``Anchor.snapshot(module)`` copies the trainable parameters' local shards (the adapter weights under LoRA,
 every weight under full fine-tuning); ``with anchor.swapped_in(): module(...)`` evaluates the anchor by swapping those

@@ -1,4 +1,4 @@
-"""Stage 1, the rollout: sample G videos per prompt with a stochastic sampler and record every transition.
+"""Stage 2, the rollout: sample G videos per prompt with a stochastic sampler and record every transition.
 
 Recipe, per call of ``generate``:
   1. the sigma schedule from the model's diffusers scheduler (so the deterministic case is the pipeline's own loop);

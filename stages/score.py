@@ -1,4 +1,4 @@
-"""Scoring stage: rewards for a batch of rollout videos, every dimension reported, one weighted total per video.
+"""Stage 3, scoring: rewards for a batch of rollout videos, every dimension reported, one weighted total per video.
 
 Recipe, per reward in the config:
 1. call it on the videos in sub-batches of its ``batch_size``, with the prompts and the prompt metadata columns it
