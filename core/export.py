@@ -44,10 +44,9 @@ from huggingface_hub import save_torch_state_dict
 
 from sage_grpo.core import distributed
 from sage_grpo.core.errors import UserError
-from sage_grpo.core.files import fsync_tree, remove_abandoned
+from sage_grpo.core.files import file_sha256, fsync_tree, move_into_place, remove_abandoned
 from sage_grpo.core.lora import ADAPTER_NAME
 from sage_grpo.core.secrets import mask_tree
-from sage_grpo.core.storage import _move_into_place, _sha256_and_size
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 TRANSFORMER_PREFIX = "transformer"  # the component name diffusers' LoRA loaders filter keys by
@@ -131,7 +130,7 @@ def read_export_manifest(export_dir: str | Path) -> dict:
     manifest = json.loads(manifest_path.read_text())
     for name, expected in manifest["files"].items():
         path = export_dir / name
-        if not path.is_file() or _sha256_and_size(path)[0] != expected:
+        if not path.is_file() or file_sha256(path) != expected:
             raise ValueError(f"{path} is missing or does not match the sha256 in {EXPORT_MANIFEST}")
     return manifest
 
@@ -234,7 +233,7 @@ def _sort_header_metadata(path: Path) -> None:
 
 
 def _write_export_manifest(directory: Path, kind: ExportKind, model: dict[str, Any] | None) -> None:
-    files = {path.name: _sha256_and_size(path)[0] for path in sorted(directory.iterdir()) if path.is_file()}
+    files = {path.name: file_sha256(path) for path in sorted(directory.iterdir()) if path.is_file()}
     manifest = {"kind": kind, "model": model, "files": files}
     (directory / EXPORT_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
@@ -287,6 +286,6 @@ def _atomic_directory(out_dir: str | Path) -> Iterator[Path]:
     try:
         yield staging
         fsync_tree(staging)
-        _move_into_place(staging, target)
+        move_into_place(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # nothing left there once it has been moved into place

@@ -1,8 +1,10 @@
 """Files that are whole or absent: the one atomic-write helper (temporary name beside the target, fsync, rename,
-fsync of the folder), so a crash or a concurrent reader never sees half a file."""
+fsync of the folder), so a crash or a concurrent reader never sees half a file; folders moved into place whole; and
+the content digest that checkpoints, exports and registered models are verified by."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -13,6 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from sage_grpo.core.errors import UserError
+
+CHUNK_BYTES = 8 * 1024 * 1024  # large files are read and copied in pieces this size, never whole into memory
 
 
 def make_writable_folder(path: str | Path, key: str) -> Path:
@@ -56,6 +60,36 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
+
+
+def move_into_place(staging: str | Path, target: str | Path) -> None:
+    """Replace the folder ``target`` (or nothing) by the folder ``staging``, so a reader finds the old folder or the
+    new one, never a mix of their files."""
+    staging, target = Path(staging), Path(target)
+    if target.exists():
+        # os.replace cannot overwrite a non-empty folder; moving the old one aside keeps the target from ever being
+        # a mix of old and new files.
+        discarded = target.with_name(f".discarded-{target.name}-{uuid.uuid4().hex}")
+        os.replace(target, discarded)
+        os.replace(staging, target)
+        shutil.rmtree(discarded, ignore_errors=True)
+    else:
+        os.replace(staging, target)
+    fsync_dir(target.parent)
+
+
+def sha256_and_size(path: str | Path) -> tuple[str, int]:
+    """The sha256 (hex) of a file's contents and its size in bytes, read once in pieces."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as file:
+        while chunk := file.read(CHUNK_BYTES):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
+
+
+def file_sha256(path: str | Path) -> str:
+    return sha256_and_size(path)[0]
 
 
 def fsync_dir(path: str | Path) -> None:

@@ -47,7 +47,3 @@ def add_lora(transformer: torch.nn.Module, config: LoraConfig) -> torch.nn.Modul
     if not any(p.requires_grad for p in transformer.parameters()):
         raise ValueError(f"LoRA target modules {config.target_modules} match no layer of {type(transformer).__name__}")
     return transformer
-
-
-def trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}

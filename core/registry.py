@@ -70,8 +70,9 @@ from pydantic import BaseModel, ConfigDict, Field
 import sage_grpo
 from sage_grpo.core.errors import RetryableStop, UserError, first_line
 from sage_grpo.core.export import LORA_WEIGHT_NAME, read_export_manifest
+from sage_grpo.core.files import file_sha256
 from sage_grpo.core.secrets import MASK, mask_uri
-from sage_grpo.core.storage import _sha256_and_size, load_tensors
+from sage_grpo.core.storage import load_tensors
 from sage_grpo.core.tracking import is_outage
 
 CHALLENGER = "challenger"
@@ -331,13 +332,13 @@ def serving_requirements() -> list[str]:
 
 def _write_model_manifest(model_dir: Path) -> str:
     sums = {
-        path.relative_to(model_dir).as_posix(): _sha256_and_size(path)[0]
+        path.relative_to(model_dir).as_posix(): file_sha256(path)
         for path in sorted(model_dir.rglob("*"))
         if path.is_file()
     }
     manifest = model_dir / MODEL_MANIFEST
     manifest.write_text(json.dumps(sums, indent=2, sort_keys=True) + "\n")
-    return _sha256_and_size(manifest)[0]
+    return file_sha256(manifest)
 
 
 # Loading
@@ -436,13 +437,13 @@ def _verify_model_dir(model_dir: Path, version: ModelVersion) -> None:
     where = f"model {version.name} version {version.version}"
     manifest = model_dir / MODEL_MANIFEST
     expected = version.tags.get(ARTIFACTS_SHA256_TAG)
-    if expected is None or not manifest.is_file() or _sha256_and_size(manifest)[0] != expected:
+    if expected is None or not manifest.is_file() or file_sha256(manifest) != expected:
         raise TamperedArtifactError(f"{where}: {MODEL_MANIFEST} is missing or not the one registered")
     sums = json.loads(manifest.read_text())
     present = {path.relative_to(model_dir).as_posix() for path in model_dir.rglob("*") if path.is_file()}
     unexpected = sorted(present - set(sums) - {MODEL_MANIFEST})
     changed = sorted(
-        name for name, digest in sums.items() if name not in present or _sha256_and_size(model_dir / name)[0] != digest
+        name for name, digest in sums.items() if name not in present or file_sha256(model_dir / name) != digest
     )
     if unexpected or changed:
         raise TamperedArtifactError(f"{where}: files changed since registration: {changed + unexpected}")

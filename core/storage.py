@@ -66,7 +66,15 @@ from s3transfer.exceptions import RetriesExceededError
 from safetensors.torch import load_file
 
 from sage_grpo.core.errors import StoreUnavailable, UserError
-from sage_grpo.core.files import atomic_write_bytes, fsync_dir, fsync_tree
+from sage_grpo.core.files import (
+    CHUNK_BYTES,
+    atomic_write_bytes,
+    file_sha256,
+    fsync_dir,
+    fsync_tree,
+    move_into_place,
+    sha256_and_size,
+)
 from sage_grpo.core.s3 import S3Config
 from sage_grpo.core.safe_load import refusal_reason
 from sage_grpo.core.secrets import mask_uri
@@ -78,7 +86,6 @@ LATEST_NAME = "latest"
 OWNER_NAME = "owner.json"
 SET_ASIDE = "set-aside-"
 MiB = 1024 * 1024
-_HASH_CHUNK = 8 * MiB
 # Only canonical names: "step-007" would name step 7 but live at a different path than step_dir(7).
 _STEP_NAME = re.compile(r"step-(0|[1-9][0-9]*)")
 # S3's rules for new bucket names; also keeps userinfo ("key:secret@bucket") out of a bucket name.
@@ -322,7 +329,7 @@ class LocalBackend:
         return sizes
 
     def sha256(self, keys: Sequence[str]) -> dict[str, str]:
-        return {key: _sha256_and_size(self.root / key)[0] for key in keys}
+        return {key: file_sha256(self.root / key) for key in keys}
 
     def child_dirs(self) -> list[str]:
         return [path.name for path in self.root.iterdir() if path.is_dir()] if self.root.is_dir() else []
@@ -362,7 +369,7 @@ class LocalBackend:
 
     def seal_step(self, step: int) -> None:
         fsync_tree(self.root / self.incoming(step))
-        _move_into_place(self.root / self.incoming(step), self.root / step_dir(step))
+        move_into_place(self.root / self.incoming(step), self.root / step_dir(step))
 
     def abandon_step(self, step: int) -> None:
         shutil.rmtree(self.root / self.incoming(step), ignore_errors=True)
@@ -677,7 +684,7 @@ class CheckpointStore:
         problems = {
             entry.path: "downloaded copy differs from the manifest"
             for entry in manifest.files
-            if _sha256_and_size(local_dir / entry.path) != (entry.sha256, entry.size)
+            if sha256_and_size(local_dir / entry.path) != (entry.sha256, entry.size)
         }
         _raise_if_problems(where, problems)
         return manifest
@@ -991,7 +998,7 @@ def _staged_files(local_dir: Path) -> list[tuple[Path, str]]:
 
 
 def _file_entry(path: Path, relpath: str) -> FileEntry:
-    sha256, size = _sha256_and_size(path)
+    sha256, size = sha256_and_size(path)
     return FileEntry(path=relpath, size=size, sha256=sha256)
 
 
@@ -1012,15 +1019,6 @@ def _raise_if_problems(where: str, problems: Mapping[str, str]) -> None:
         raise CheckpointError(f"{where} fails verification: {listed}{more}")
 
 
-def _sha256_and_size(path: Path) -> tuple[str, int]:
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as file:
-        while chunk := file.read(_HASH_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-    return digest.hexdigest(), size
-
-
 class _HashingSink:
     """A write-only file object that keeps only the sha256 of what passes through it."""
 
@@ -1037,19 +1035,6 @@ class _HashingSink:
 
 def _durable_copy(source: Path, target: Path) -> None:
     with open(source, "rb") as reader, open(target, "wb") as writer:
-        shutil.copyfileobj(reader, writer, _HASH_CHUNK)
+        shutil.copyfileobj(reader, writer, CHUNK_BYTES)
         writer.flush()
         os.fsync(writer.fileno())
-
-
-def _move_into_place(staging: Path, target: Path) -> None:
-    if target.exists():
-        # os.replace cannot overwrite a non-empty directory; moving the old one aside keeps the step directory from
-        # ever being a mix of old and new files.
-        discarded = target.with_name(f".discarded-{target.name}-{uuid.uuid4().hex}")
-        os.replace(target, discarded)
-        os.replace(staging, target)
-        shutil.rmtree(discarded, ignore_errors=True)
-    else:
-        os.replace(staging, target)
-    fsync_dir(target.parent)

@@ -151,7 +151,7 @@ def test_exported_files_are_synced_before_the_export_moves_into_place(kind, trai
     """safetensors and huggingface_hub write without fsync: the export syncs each file itself, or a power loss after
     the rename could leave an export whose files are empty."""
     synced, at_the_move = set(), {}
-    fsync, move_into_place = os.fsync, core.export._move_into_place
+    fsync, move_into_place = os.fsync, core.export.move_into_place
 
     def recording_fsync(descriptor):
         synced.add(Path(os.readlink(f"/proc/self/fd/{descriptor}")))
@@ -163,7 +163,7 @@ def test_exported_files_are_synced_before_the_export_moves_into_place(kind, trai
         move_into_place(staging, target)
 
     monkeypatch.setattr(os, "fsync", recording_fsync)
-    monkeypatch.setattr(core.export, "_move_into_place", recording_move)
+    monkeypatch.setattr(core.export, "move_into_place", recording_move)
     model = trained_lora if kind == "lora" else tiny_hunyuan15_pipeline().transformer
 
     export_policy(model, tmp_path / kind)

@@ -56,3 +56,18 @@ def test_command_lines_are_parsed_only_in_the_cli_and_the_launcher():
     }
     # pipeline.launch parses only its own flags before handing the rest to torchrun.
     assert parsers == {"pipeline/cli.py", "pipeline/launch.py"}
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A leading underscore says "only this module relies on it": a helper another module needs is made public where
+    it belongs (``core.files`` for file helpers), so renaming a private one never breaks a distant import."""
+    private = {
+        f"{path.relative_to(ROOT)}:{node.lineno}": f"{node.module}.{alias.name}"
+        for package in FLOORS
+        for path in (ROOT / package).rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sage_grpo")
+        for alias in node.names
+        if alias.name.startswith("_")
+    }
+    assert private == {}
