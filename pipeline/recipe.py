@@ -25,7 +25,7 @@ import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from sage_grpo.core import distributed
-from sage_grpo.core.errors import RETRYABLE_EXIT_CODE, RetryableStop, UserError, out_of_space
+from sage_grpo.core.errors import RETRYABLE_EXIT_CODE, RetryableStop, out_of_space
 from sage_grpo.core.export import STAGING_FOLDER
 from sage_grpo.core.files import atomic_write_text, make_writable_folder, remove_abandoned
 from sage_grpo.core.lora import add_lora
@@ -125,17 +125,7 @@ class SageGRPORecipe:
             (config.output_dir / "config.json").write_text(json.dumps(masked_config(config), indent=2))
             remove_abandoned(config.output_dir / "exports", STAGING_FOLDER)  # a full weight copy a kill left
         self._setup_prompts()
-        if len(self.train_prompts) < config.rollout.prompts_per_rank * distributed.data_parallel_size():
-            raise UserError(
-                f"{len(self.train_prompts)} training prompts cannot fill rollout.prompts_per_rank="
-                f"{config.rollout.prompts_per_rank} on {distributed.data_parallel_size()} data-parallel rank(s)"
-            )
-        # Rewards before the model: a reward that cannot be built, or needs a column no prompt has, stops the run
-        # before minutes of model loading.
-        self.scorer = self._build_scorer()
-        self.scorer.check_metadata([p.metadata for p in self.prompt_set.train])
-        self.eval_scorer = self._build_scorer(evaluation=True) if self.eval_prompts and config.eval.every else None
-        self._setup_policy()
+        # Before the rewards and the model: too few prompts for every rank stops the run at once.
         self.sampler = PromptSampler(
             len(self.train_prompts),
             config.rollout.prompts_per_rank,
@@ -143,6 +133,12 @@ class SageGRPORecipe:
             distributed.data_parallel_size(),
             config.seed,
         )
+        # Rewards before the model: a reward that cannot be built, or needs a column no prompt has, stops the run
+        # before minutes of model loading.
+        self.scorer = self._build_scorer()
+        self.scorer.check_metadata([p.metadata for p in self.prompt_set.train])
+        self.eval_scorer = self._build_scorer(evaluation=True) if self.eval_prompts and config.eval.every else None
+        self._setup_policy()
         self.checkpointer = Checkpointer(
             config,
             self.policy.engine,

@@ -411,7 +411,8 @@ class PromptSampler:
             raise ValueError(f"invalid sampler layout: prompts_per_rank={prompts_per_rank}, rank={rank}, world={world}")
         if num_prompts < prompts_per_rank * world:
             raise UserError(
-                f"{num_prompts} prompts cannot give {world} ranks {prompts_per_rank} distinct prompts per iteration"
+                f"{num_prompts} training prompts cannot fill rollout.prompts_per_rank={prompts_per_rank} on {world} "
+                "data-parallel rank(s)"
             )
         self.num_prompts = num_prompts
         self.prompts_per_rank = prompts_per_rank

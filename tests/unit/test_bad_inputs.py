@@ -149,3 +149,11 @@ def test_run_refuses_before_any_model_loads_and_writes_nothing(tmp_path, overrid
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert not output.exists()
+
+
+def test_too_few_prompts_for_the_ranks_is_one_line_naming_the_key(tmp_path):
+    # The prompt sampler's own check, run before the rewards and the model are built.
+    result = sagegrpo("run", DEMO, f"run.output_dir={tmp_path / 'run'}", "rollout.prompts_per_rank=500", timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    refusal = "16 training prompts cannot fill rollout.prompts_per_rank=500 on 1 data-parallel rank(s)"
+    assert result.stderr.strip().splitlines()[-1] == f"sagegrpo: error: {refusal}"
