@@ -28,7 +28,7 @@ import os
 import re
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -340,14 +340,18 @@ def _run_and_store(job: tuple[str, Config, int, Path]) -> dict:
     return result
 
 
-def run_all(jobs: list[tuple[str, Config, int, Path]], parallel: int) -> None:
+def run_all(jobs: list[tuple[str, Config, int, Path]], parallel: int, on_done=lambda: None) -> None:
+    """Run the jobs, calling ``on_done`` in this process after each one (its result is stored by then)."""
     if parallel == 1:
         for job in jobs:
             _run_and_store(job)
+            on_done()
         return
     # Each worker is its own 1-process DeepSpeed world; spawn, because a forked child inherits torch's thread pools.
     with ProcessPoolExecutor(parallel, mp_context=get_context("spawn")) as pool:
-        list(pool.map(_run_and_store, jobs))
+        for future in as_completed([pool.submit(_run_and_store, job) for job in jobs]):
+            future.result()
+            on_done()
 
 
 def check_distinct(arms: list[str], base: Config) -> None:
@@ -386,26 +390,41 @@ def sweep(arms: list[str], seeds: int, base: Config, parallel: int, out: Path, c
     check_distinct(arms, base)
     jobs = _jobs(arms, seeds, base)
     todo = [(arm, config, seed, out) for arm, config, seed in jobs if finished(out, arm, config, seed) is None]
-    todo = todo if run else []
-    print(f"{len(jobs) - len(todo)} of {len(jobs)} runs already finished in {out / 'runs'}; running {len(todo)}")
-    from . import report
-
-    sitting = report.machine() | {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "jobs": parallel}
-    start = time.perf_counter()
-    run_all(todo, parallel)
-    sitting |= {"wall_s": time.perf_counter() - start, "runs": len(todo), "command": command}
-    sitting["load_average_at_end"] = list(os.getloadavg())
+    print(f"{len(jobs) - len(todo)} of {len(jobs)} runs already finished in {out / 'runs'}; running {len(todo) * run}")
     sittings_path = out / "sittings.json"
-    sittings = json.loads(sittings_path.read_text()) if sittings_path.exists() else []
-    write_atomically(sittings_path, json.dumps(sittings + [sitting], indent=1))
+    if run:
+        _sitting(todo, parallel, command, sittings_path)
     return {
         "arms": arms,
         "seeds": seeds,
         "jobs": parallel,
         "command": command,
-        "sittings": sittings + [sitting],
+        "sittings": json.loads(sittings_path.read_text()) if sittings_path.exists() else [],
         "runs": [run for arm, config, seed in jobs if (run := finished(out, arm, config, seed)) is not None],
     }
+
+
+def _sitting(todo: list, parallel: int, command: str, sittings_path: Path) -> None:
+    """Run ``todo``, logging this sitting's wall time and load in ``sittings_path`` as it goes."""
+    from . import report
+
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    sitting = report.machine() | {"id": f"{started}/{os.getpid()}", "started": started, "jobs": parallel, "runs": 0}
+    sitting["command"], start = command, time.perf_counter()
+
+    def record() -> None:
+        """This sitting's wall time and load so far, rewritten after every run: a killed sitting still counts."""
+        sitting.update(wall_s=time.perf_counter() - start, load_average_at_end=list(os.getloadavg()))
+        earlier = json.loads(sittings_path.read_text()) if sittings_path.exists() else []
+        write_atomically(sittings_path, json.dumps([s for s in earlier if s.get("id") != sitting["id"]] + [sitting]))
+
+    def one_more() -> None:
+        sitting["runs"] += 1
+        record()
+
+    record()
+    run_all(todo, parallel, one_more)
+    record()
 
 
 def main() -> None:
