@@ -168,14 +168,3 @@ def test_every_relative_link_resolves(page):
         if anchor and linked.suffix == ".md":
             headings = re.findall(r"^#+ (.+)$", FENCE.sub("", linked.read_text()), re.MULTILINE)
             assert anchor in {_anchor(heading) for heading in headings}, f"{page.name}: {target}"
-
-
-def test_every_test_module_belongs_to_a_tier():
-    """docs/testing.md: `scripts/test.sh -m unit|distributed|integration` runs a tier alone, so none is left out."""
-    modules = sorted((ROOT / "tests").glob("*/test_*.py"))
-    untiered = [
-        module.relative_to(ROOT).as_posix()
-        for module in modules
-        if not re.search(r"pytest\.mark\.(unit|distributed|integration)\b", module.read_text())
-    ]
-    assert modules and not untiered, untiered
