@@ -83,6 +83,7 @@ def config_hash(config: RunConfig) -> str:
             "tracking": True,
             "checkpoint": True,
             "registry": True,
+            "parallel": True,  # how ranks share the work, as the world size (which a resume may change too)
         },
     )
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
@@ -289,7 +290,7 @@ class Checkpointer:
         if same_run and manifest.config_hash != self.config_hash:
             raise UserError(
                 f"checkpoint step-{step} was written with a different config; only run.max_iterations, "
-                "run.time_budget_minutes, tracking, checkpoint and registry may change on resume"
+                "run.time_budget_minutes, tracking, checkpoint, registry and parallel may change on resume"
             )
 
     @staticmethod

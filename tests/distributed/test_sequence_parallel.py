@@ -1,5 +1,6 @@
 """Sequence parallelism (Ulysses, diffusers' context parallelism) against none, under real DeepSpeed ZeRO-3 with gloo
-on CPU: K = 2 on 2 processes computes what K = 1 on one process does, for the tiny HunyuanVideo 1.5 and Wan."""
+on CPU: K = 2 on 2 processes computes what K = 1 on one process does, for the tiny HunyuanVideo 1.5 and Wan, and a
+whole run's metrics, resumed across K, are those of a run at K = 1."""
 
 import json
 from pathlib import Path
@@ -9,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import torchrun
+from tests.integration.pipeline_runs import DEMO, SHORT, metric_history, only_run_id
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -61,3 +63,50 @@ def test_weights_and_metrics_after_two_updates_match(runs):
         assert before.keys() == after.keys()
         for key in before:
             assert after[key] == pytest.approx(before[key], rel=1e-4, abs=1e-7, nan_ok=True), key
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Whole runs: `sagegrpo run` under torchrun on the shortened demo, one data-parallel group in every layout
+# ---------------------------------------------------------------------------------------------------------------
+
+# What depends on the machine, not on the run: left out of the comparison.
+_UNCOMPARED = ("time/", "system/", "samples_per_second", "mfu")
+
+
+def _run(output_dir: Path, processes: int, size: int, iterations: int, *flags: str) -> None:
+    torchrun(
+        processes,
+        "-m",
+        "sage_grpo.pipeline.cli",
+        "run",
+        str(DEMO),
+        f"run.output_dir={output_dir}",
+        *SHORT,
+        "eval.every=0",
+        "checkpoint.every=1",
+        f"run.max_iterations={iterations}",
+        f"parallel.sequence_parallel_size={size}",
+        *flags,
+    )
+
+
+def _metrics(output_dir: Path) -> dict[str, dict[int, float]]:
+    uri = f"sqlite:///{output_dir}/mlflow.db"
+    run_id = only_run_id(uri)
+    from mlflow.tracking import MlflowClient
+
+    keys = MlflowClient(uri).get_run(run_id).data.metrics
+    return {k: dict(metric_history(uri, run_id, k)) for k in keys if not k.startswith(_UNCOMPARED)}
+
+
+def test_runs_at_k2_match_k1_and_a_k2_checkpoint_resumes_at_k1_and_back(tmp_path):
+    _run(tmp_path / "k1", 1, 1, 4)
+    _run(tmp_path / "k2", 2, 2, 2)
+    _run(tmp_path / "k2", 1, 1, 3, "--resume", "auto")  # K = 2's checkpoint, resumed on one process at K = 1
+    _run(tmp_path / "k2", 2, 2, 4, "--resume", "auto")  # and that checkpoint back at K = 2
+    single, layouts = _metrics(tmp_path / "k1"), _metrics(tmp_path / "k2")
+    assert single.keys() == layouts.keys() and "update/grad_norm" in single
+    for key, history in single.items():
+        assert sorted(layouts[key]) == sorted(history), key
+        for iteration, value in history.items():
+            assert layouts[key][iteration] == pytest.approx(value, rel=1e-4, abs=1e-7), (key, iteration)
