@@ -703,6 +703,19 @@ class CheckpointStore:
         text = (data or b"").decode(errors="replace").strip()
         return int(text) if re.fullmatch(r"[0-9]+", text) else None
 
+    def check_committed(self, checkpoint: str | int) -> int | None:
+        """CheckpointError now unless ``checkpoint`` (as for :meth:`resolve`) can load: the step it names is committed,
+        or for ``"auto"`` some step is. From the manifests alone, nothing hashed or downloaded, so a command refuses in
+        a second what it would otherwise refuse after building a model. Returns the named step; None for ``"auto"``,
+        whose step is chosen when the steps are verified."""
+        if checkpoint == "auto":
+            if not self.list_steps():
+                raise CheckpointError(f"no committed checkpoint in {self.uri}")
+            return None
+        step = self._requested_step(checkpoint)
+        self.read_manifest(step)
+        return step
+
     def resolve_without(self, step: int, *, fresh_start: bool = False) -> int | None:
         """``resolve("auto")`` once more after the reader found step ``step`` wrong (its states, or its manifest's
         content): the step is treated as failing verification (kept, never pruned, moved aside before its number is

@@ -76,9 +76,7 @@ def run_command(
     # from before the slow imports: a stop anywhere outside the training loop (which handles its own) exits 75.
     with retryable_signals():
         with contextlib.redirect_stdout(sys.stderr):
-            from sage_grpo.pipeline.config import load_run_config
-
-            config = load_run_config(config_path, overrides)
+            config = _load_config(config_path, overrides)
             setup_logging(verbosity)
             from sage_grpo.pipeline.recipe import SageGRPORecipe
 
@@ -120,8 +118,10 @@ def _summary_text(config: RunConfig, summary) -> str:
 def eval_command(config_path: str, overrides: list[str], checkpoint: str, verbosity: int = 0) -> int:
     """Prints the metrics as JSON, the only thing on stdout (libraries' start-up prints go to stderr), so
     ``sagegrpo eval ... | jq`` works."""
+    config = _load_config(config_path, overrides)
+    _checked_step(config, checkpoint)
     with contextlib.redirect_stdout(sys.stderr):
-        metrics = _recipe_with_policy(config_path, overrides, checkpoint, verbosity).evaluate()
+        metrics = _recipe_with_policy(config, checkpoint, verbosity).evaluate()
     if _is_main():
         print(json.dumps(metrics, indent=2, sort_keys=True))
     return 0
@@ -137,33 +137,55 @@ def sample_command(
     verbosity: int = 0,
 ) -> int:
     """Prints one ``path<TAB>prompt`` line per video, the only thing on stdout."""
+    config = _load_config(config_path, overrides)
+    if checkpoint:
+        _checked_step(config, checkpoint)
     with contextlib.redirect_stdout(sys.stderr):
-        paths = _recipe_with_policy(config_path, overrides, checkpoint, verbosity).sample(prompts, seed, Path(out))
+        paths = _recipe_with_policy(config, checkpoint, verbosity).sample(prompts, seed, Path(out))
     for path, prompt in zip(paths, prompts):
         print(f"{path}\t{prompt}")
     return 0
 
 
 def export_command(config_path: str, overrides: list[str], checkpoint: str, out: str | None, verbosity: int = 0) -> int:
-    """The diffusers-format export of any checkpoint (``auto``: the newest verified one); prints its folder."""
-    with retryable_signals():
-        if out:  # refused before minutes of model loading; the export checks again when it writes
-            from sage_grpo.core.export import check_replaceable
+    """The diffusers-format export of any checkpoint (``auto``: the newest verified one); prints its folder. A target
+    holding anything but an earlier export, or a checkpoint that is not there, is refused before the model loads
+    (the export checks its target again when it writes)."""
+    from sage_grpo.core.export import check_replaceable
 
+    with retryable_signals():
+        config = _load_config(config_path, overrides)
+        if out:
             check_replaceable(out)
+        step = _checked_step(config, checkpoint)
+        if not out and step is not None:
+            check_replaceable(_export_dir(config, f"step-{step}"))
         with contextlib.redirect_stdout(sys.stderr):
-            recipe = _recipe_with_policy(config_path, overrides, checkpoint, verbosity)
-            out_dir = Path(out) if out else recipe.config.output_dir / "exports" / recipe.checkpoint_name
+            recipe = _recipe_with_policy(config, checkpoint, verbosity)
+            out_dir = Path(out) if out else _export_dir(config, recipe.checkpoint_name)
             recipe.export(out_dir)
         if _is_main():
             print(out_dir.resolve())
         return 0
 
 
-def _recipe_with_policy(config_path: str, overrides: list[str], checkpoint: str | None, verbosity: int):
+def _export_dir(config: RunConfig, checkpoint_name: str) -> Path:
+    return config.output_dir / "exports" / checkpoint_name
+
+
+def _load_config(config_path: str, overrides: list[str]) -> RunConfig:
     from sage_grpo.pipeline.config import load_run_config
 
-    config = load_run_config(config_path, overrides)
+    return load_run_config(config_path, overrides)
+
+
+def _checked_step(config: RunConfig, checkpoint: str) -> int | None:
+    """The step ``checkpoint`` names (None for ``auto``), checked against the store's manifests: a checkpoint that
+    is not there is one line now, not after the model, DeepSpeed and the prompts are set up."""
+    return config.checkpoint.build(config.output_dir, config.s3).check_committed(checkpoint)
+
+
+def _recipe_with_policy(config: RunConfig, checkpoint: str | None, verbosity: int):
     setup_logging(verbosity)
     from sage_grpo.pipeline.recipe import SageGRPORecipe
 
@@ -180,9 +202,7 @@ def _is_main() -> bool:
 
 def preflight_command(config_path: str, overrides: list[str], verbosity: int = 0) -> int:
     """Exit 0 when every check passes, 1 otherwise (the failed checks are the last lines of the table)."""
-    from sage_grpo.pipeline.config import load_run_config
-
-    load_run_config(config_path, overrides)  # a config error is one line before anything is built
+    _load_config(config_path, overrides)  # a config error is one line before anything is built
     setup_logging(verbosity)
     from sage_grpo.pipeline.preflight import preflight, table
 
@@ -198,9 +218,8 @@ def config_command(config_path: str, overrides: list[str], as_json: bool = False
     import yaml
 
     from sage_grpo.core.tracking import masked_config
-    from sage_grpo.pipeline.config import load_run_config
 
-    resolved = masked_config(load_run_config(config_path, overrides))
+    resolved = masked_config(_load_config(config_path, overrides))
     print(json.dumps(resolved, indent=2) if as_json else yaml.safe_dump(resolved, sort_keys=False).rstrip("\n"))
     return 0
 
@@ -325,11 +344,11 @@ def promote_command(
 
     from sage_grpo.core.registry import outage_is_retryable, promote
     from sage_grpo.core.tracking import fail_fast_http
-    from sage_grpo.pipeline.config import RegistryConfig, load_run_config
+    from sage_grpo.pipeline.config import RegistryConfig
 
     if overrides and not config_path:
         raise UserError(f"promote: overrides need a --config to apply to: {' '.join(overrides)}")
-    config = load_run_config(config_path, overrides) if config_path else None
+    config = _load_config(config_path, overrides) if config_path else None
     settings = config.registry if config else RegistryConfig()
     model = model or settings.model_name
     if not model:

@@ -18,6 +18,7 @@ from sage_grpo.core.export import (
 )
 from sage_grpo.core.lora import LoraConfig, add_lora
 from sage_grpo.core.models.tiny import tiny_hunyuan15_pipeline
+from sage_grpo.core.storage import CheckpointConfig
 from sage_grpo.pipeline import cli
 
 pytestmark = pytest.mark.unit
@@ -168,3 +169,39 @@ def test_an_export_replaces_nothing_or_an_earlier_export_of_ours(adapter, tmp_pa
     if kind == "an earlier export":
         assert (out / LORA_WEIGHT_NAME).read_bytes() != earlier
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging or discarded folder left
+
+
+def _a_committed_step(checkpoints: Path, step: int) -> None:
+    staged = checkpoints.parent / "staging"
+    (staged / "engine").mkdir(parents=True)
+    (staged / "engine" / "states.pt").write_bytes(b"weights")
+    CheckpointConfig(uri=str(checkpoints)).build().commit(staged, step, world_size=1, config_hash="cfg")
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "committed", "refusal"),
+    [
+        ("3", None, "step-3 is not a committed checkpoint"),
+        ("auto", None, "no committed checkpoint in"),
+        ("step-2", 2, "export target"),  # the default target, <output_dir>/exports/step-2, holds others' files
+    ],
+)
+def test_sagegrpo_export_refuses_a_missing_checkpoint_or_an_owned_default_target_before_building_anything(
+    adapter, tmp_path, capsys, monkeypatch, checkpoint, committed, refusal
+):
+    from sage_grpo.pipeline.recipe import SageGRPORecipe
+
+    monkeypatch.setattr(SageGRPORecipe, "setup_policy", lambda *args: pytest.fail("built the policy"))
+    output = tmp_path / "run"
+    if committed is not None:
+        _a_committed_step(output / "checkpoints", committed)
+        _others_models(output / "exports" / f"step-{committed}", adapter)
+    before = _snapshot(output)  # the whole of tmp_path
+
+    code = cli.main(["export", DEMO, "--checkpoint", checkpoint, f"run.output_dir={output}"])
+
+    captured = capsys.readouterr()
+    assert code == 2
+    [line] = captured.err.strip().splitlines()
+    assert line.startswith("sagegrpo: error:") and refusal in line
+    assert captured.out == "" and _snapshot(output) == before

@@ -547,3 +547,16 @@ def test_a_crashed_attempts_leftovers_are_not_in_the_commit(tmp_path, root, stor
     store.commit_manifest(1, reported, world_size=2, config_hash="c")
     assert not (root / "step-1" / "stale.bin").exists()
     store.verify(1)
+
+
+def test_check_committed_reads_manifests_only_and_refuses_what_cannot_load(tmp_path, root, store, monkeypatch):
+    with pytest.raises(CheckpointError, match="no committed checkpoint in"):
+        store.check_committed("auto")
+    commit_step(store, tmp_path, 3)
+    flip_byte(root / "step-3" / SHARD)  # only verifying would see it: the load does, this check must not hash
+    monkeypatch.setattr(store.backend, "sha256", lambda keys: pytest.fail("hashed"))
+    assert store.check_committed("auto") is None and store.check_committed("step-3") == 3
+    with pytest.raises(CheckpointError, match="step-4 is not a committed checkpoint"):
+        store.check_committed(4)
+    with pytest.raises(CheckpointError, match="is not 'auto'"):
+        store.check_committed("latest")
