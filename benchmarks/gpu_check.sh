@@ -4,9 +4,11 @@
 #   2. preflight of the demo config (tiny model): devices, rewards, on-policy first update, KL gradient band, memory;
 #   3. preflight of the demo config with a transformer an H200 notices (16 x 128 heads, 8 layers, 128x128x9 video,
 #      5120 tokens): peak memory against `sagegrpo plan`, seconds per stage and the MFU the recipe estimates;
-#   4. the demo run itself (8 iterations, evaluation, checkpoints, export): the reward curve and samples/s;
-#   5. the demo with LoRA for 2 iterations;
-#   6. the unit tier with CUDA visible (tests written on CPU machines that may assume no GPU).
+#   4. sequence parallelism: one update at K = 1 and at K = 2 (two processes, sharing the GPU if there is one),
+#      per-rank activation and peak CUDA memory and update time (benchmarks/sequence_parallel_memory.py);
+#   5. the demo run itself (8 iterations, evaluation, checkpoints, export): the reward curve and samples/s;
+#   6. the demo with LoRA for 2 iterations;
+#   7. the unit tier with CUDA visible (tests written on CPU machines that may assume no GPU).
 # Every step has its own time limit and log (OUT_DIR); the runs' outputs go to a scratch folder; a table of the
 # numbers is printed last.
 #
@@ -47,6 +49,7 @@ SIZED=(
 step env 45 "${sagegrpo[@]}" env
 step preflight-tiny 100 "${sagegrpo[@]}" preflight configs/demo.yaml
 step preflight-sized 120 "${sagegrpo[@]}" preflight configs/demo.yaml "${SIZED[@]}"
+step sequence-parallel 240 python3 -m benchmarks.sequence_parallel_memory
 step demo 120 "${sagegrpo[@]}" run configs/demo.yaml "run.output_dir=$runs/demo" --fresh-start
 step demo-lora 75 "${sagegrpo[@]}" run configs/demo.yaml lora.enabled=true run.max_iterations=2 eval.every=0 \
     "run.output_dir=$runs/demo-lora" --fresh-start
@@ -56,6 +59,8 @@ echo "=== summary"
 cat "$out/steps.txt"
 grep -h "^\(schedule\|devices\|first iterations\|rewards\|on-policy\|trust region\|peak memory\|time\|preflight:\) " \
     "$out/preflight-tiny.log" "$out/preflight-sized.log"
+grep -h "^\(activations per rank\|peak CUDA memory per rank\|update time\):" "$out/sequence-parallel.log" |
+    sed "s/^/sequence parallel K=1 vs K=2 /"
 python3 - "$runs/demo/mlflow.db" <<'EOF'
 import sys
 

@@ -136,6 +136,12 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def _ranks_share_a_gpu() -> bool:
+    """More ranks on this node than GPUs (a check of the multi-rank path on a one-GPU machine): NCCL refuses two ranks
+    on one device ("Duplicate GPU detected"), gloo does not."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()
+
+
 def init(timeout_minutes: float = 30.0) -> None:
     """Start the process group DeepSpeed uses (NCCL on GPUs, gloo on CPU), with a collective timeout so a hung
     rank fails the job in bounded time instead of hanging it. Single-process runs get a world of one as well,
@@ -167,7 +173,7 @@ def init(timeout_minutes: float = 30.0) -> None:
         ("LOCAL_RANK", "0"),
     ):
         os.environ.setdefault(name, value)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if torch.cuda.is_available() and not _ranks_share_a_gpu() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
     deepspeed.init_distributed(
