@@ -1,8 +1,11 @@
 """What many tests need, in one place: a free loopback port, waiting for a server process to answer HTTP, launching
-torchrun workers, and a one-layer video model adapter for the update's loss path."""
+torchrun workers, a process group of one in the test's own process, and a one-layer video model adapter for the
+update's loss path."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import re
 import socket
@@ -11,11 +14,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
+from sage_grpo.core import distributed
 from sage_grpo.core.models.base import PromptEmbeddings, VideoModelAdapter
 
 
@@ -112,6 +116,36 @@ def torchrun(nproc: int, *target: str, timeout: int = 600) -> subprocess.Complet
     return result
 
 
+LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+_world_environment: dict[str, str] = {}  # what distributed.init set them to, for every later world_of_one
+
+
+@contextlib.contextmanager
+def world_of_one() -> Iterator[None]:
+    """This process as a world of one, as ``sagegrpo run`` starts without a launcher (gloo, a rendezvous file), so a
+    DeepSpeed engine runs in-process. The group is made once and kept until the process ends: DeepSpeed caches its
+    groups, and a second process group would find them stale. The launcher variables are set only inside, so a later
+    test in this process (or a process it starts) does not look launched."""
+    before = {name: os.environ.get(name) for name in LAUNCHER_VARIABLES}
+    if not _world_environment:
+        distributed.init()
+        _world_environment.update((name, os.environ[name]) for name in LAUNCHER_VARIABLES)
+    os.environ.update(_world_environment)
+    # Every ZeRO-3 engine built runs a full gc.collect() (deepspeed/runtime/zero/utils.py: defragment), which in a
+    # test process walks every object of every module imported so far: about a second each. Those objects are old
+    # and stay; frozen, the collector skips them.
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 class LinearAdapter(VideoModelAdapter):
     """A one-layer "transformer" over the latent channels on ``device`` (``meta``: shapes and devices, no values)."""
 
@@ -140,6 +174,12 @@ class LinearAdapter(VideoModelAdapter):
 
     def decode(self, latents):
         raise AssertionError("not decoded")
+
+
+def linear_adapter(guidance_scale: float = 1.0, dtype: torch.dtype = torch.float32) -> LinearAdapter:
+    """``model.name: tests.helpers:linear_adapter``: the one-layer adapter built from a run config, as the recipe's
+    ``build_policy`` builds a model (it passes a guidance scale and a dtype; the model has neither)."""
+    return LinearAdapter()
 
 
 class SGDEngine(torch.nn.Module):
