@@ -408,6 +408,8 @@ class MemoryPlan:
 
 @dataclass(frozen=True)
 class Suggestion:
+    """A layout that fits, as the changes that lead to it and what they cost."""
+
     change: str  # in the words of the command line and the config
     why: str
     plan: MemoryPlan
@@ -558,11 +560,6 @@ def plan_from_config(
     return plan_for(load_run_config(config_path, overrides), gpus_per_node, nodes, gpu_mem_gb, sequence_parallel)
 
 
-def configured_sequence_parallel(config) -> int:
-    """``parallel.sequence_parallel_size`` of a run config, 1 where the config has no such section."""
-    return int(getattr(getattr(config, "parallel", None), "sequence_parallel_size", 1))
-
-
 def plan_for(
     config, gpus_per_node: int, nodes: int, gpu_mem_gb: float, sequence_parallel: int | None = None
 ) -> MemoryPlan:
@@ -599,7 +596,7 @@ def plan_for(
         gpus_per_node=gpus_per_node,
         nodes=nodes,
         gpu_mem_gb=gpu_mem_gb,
-        sequence_parallel=configured_sequence_parallel(config) if sequence_parallel is None else sequence_parallel,
+        sequence_parallel=config.parallel.sequence_parallel_size if sequence_parallel is None else sequence_parallel,
         zero_stage=zero_stage,
         offload_optimizer=offload_optimizer,
         offload_param=offload_param,
