@@ -7,8 +7,11 @@ videos (MP4 where an encoder is installed, else GIF) -> return the mean of every
 its first, middle and last frames. :func:`log_samples` sends those to MLflow as an image series (a step slider in
 the UI) and a table that grows by one block of rows per evaluation.
 
-Every rank runs the same sampling (under ZeRO-3 a forward is a collective, so all ranks must take part);
-scoring and writing happen where ``write`` is true (rank 0).
+Sharded over data-parallel ranks: each (prompt, seed) is sampled and scored once, on one rank (its group's first rank
+under sequence parallelism), in whole batches of the single-rank order, so every video and score is bit for bit a
+single-rank evaluation's; the scores and key frames are gathered where ``write`` is true (rank 0), which computes
+the metrics and writes the videos. Every rank runs as many batches as the busiest one (under ZeRO-3 a forward is a
+collective, so all ranks must take part): a rank with fewer samples its first batch again and discards it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from sage_grpo.core import plotting
+from sage_grpo.core import distributed, plotting
 from sage_grpo.core.rewards.base import VideoBatch
 from sage_grpo.core.rewards.registry import RewardSpec
 from sage_grpo.stages.rollout import SDEConfig, generate
@@ -72,26 +75,69 @@ def evaluate(
 ) -> Evaluation:
     """``prompt_metadata``: each prompt's extra columns, passed to the rewards that take them (one video per prompt)."""
     deterministic = SDEConfig(variant="ode", steps=sde_config.steps, shift=sde_config.shift)
-    rollout = generate(
-        adapter, prompts, 1, deterministic, seed, batch_size=batch_size, progress=False, embeddings=embeddings
-    )
+    positions, rounds = _my_batches(len(prompts), batch_size)
+
+    def sample(at: list[int], decode: bool = True):
+        return generate(
+            adapter,
+            [prompts[i] for i in at],
+            1,
+            deterministic,
+            seed,
+            prompt_ids=at,  # a prompt's noise follows from its position, on whichever rank samples it
+            batch_size=batch_size,
+            decode=decode,
+            progress=False,
+            embeddings=None if embeddings is None else embeddings.select(at),
+        )
+
+    rollout = sample(positions) if positions else None
+    for _ in range(rounds - math.ceil(len(positions) / batch_size)):
+        sample(list(range(min(batch_size, len(prompts)))), decode=False)
+
+    def score_mine() -> dict:
+        if rollout is None:
+            return {"positions": []}
+        metadata = None if prompt_metadata is None else [prompt_metadata[i] for i in positions]
+        scored = scorer.score(VideoBatch.from_tensor(rollout.videos, adapter.fps), rollout.sample_prompts, metadata)
+        return {
+            "positions": positions,
+            "scores": {**scored.dimensions, "reward": list(scored.total)},
+            "frames": key_frames(rollout.videos),
+            "videos": {i: rollout.videos[k] for k, i in enumerate(positions) if i < write_videos},
+        }
+
+    shards = distributed.gather_or_raise(lambda: distributed.on_sequence_leader(score_mine))
     if not write:
         return Evaluation(metrics={})
-    videos = VideoBatch.from_tensor(rollout.videos, adapter.fps)
-    scored = scorer.score(videos, rollout.sample_prompts, prompt_metadata)
-    metrics = {f"eval/{name}": _mean(values) for name, values in scored.dimensions.items()}
-    metrics["eval/reward"] = _mean(scored.total)
+    return _assembled(distributed.one_per_sequence_group(shards), prompts, adapter.fps, out_dir)
+
+
+def _my_batches(count: int, batch_size: int) -> tuple[list[int], int]:
+    """This data-parallel rank's prompt positions, every n-th batch of the single-rank batches (n ranks), and the
+    number of batches the busiest rank runs."""
+    batches = [list(range(start, min(start + batch_size, count))) for start in range(0, count, batch_size)]
+    ranks = distributed.data_parallel_size()
+    mine = batches[distributed.data_parallel_rank() :: ranks]
+    return [i for batch in mine for i in batch], math.ceil(len(batches) / ranks)
+
+
+def _assembled(shards: list[dict], prompts: list[str], fps: int, out_dir: Path) -> Evaluation:
+    """The ranks' shards in prompt order: metrics, written videos, per-prompt scores and key frames."""
+    order = sorted((position, shard, k) for shard in shards for k, position in enumerate(shard["positions"]))
+    names = next(shard["scores"] for shard in shards if shard["positions"])
+    scores = {name: [shard["scores"][name][k] for _, shard, k in order] for name in names}
+    metrics = {f"eval/{name}": _mean(values) for name, values in scores.items() if name != "reward"}
+    metrics["eval/reward"] = _mean(scores["reward"])
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = [
-        write_video(rollout.videos[i], adapter.fps, out_dir / f"eval_{i:02d}")
-        for i in range(min(write_videos, len(prompts)))
-    ]
+    videos = {i: video for shard in shards for i, video in shard.get("videos", {}).items()}
+    written = [write_video(videos[i], fps, out_dir / f"eval_{i:02d}") for i in sorted(videos)]
     return Evaluation(
         metrics=metrics,
         videos=written,
-        prompts=list(rollout.sample_prompts),
-        scores={**scored.dimensions, "reward": list(scored.total)},
-        frames=key_frames(rollout.videos),
+        prompts=[prompts[position] for position, _, _ in order],
+        scores=scores,
+        frames=np.stack([shard["frames"][k] for _, shard, k in order]),
     )
 
 
