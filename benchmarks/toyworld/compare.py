@@ -4,6 +4,7 @@
     python -m benchmarks.toyworld.compare --jobs 2                    # every arm x 3 seeds (the full sweep)
     python -m benchmarks.toyworld.compare --arms default "kl none" --seeds 3 --iterations 20
     python -m benchmarks.toyworld.compare --from-results benchmarks/toyworld/results/results.json  # report only
+    python -m benchmarks.toyworld.compare --arms default "kl none" --seeds 3 --collect   # report the finished runs
 
 Each run: the cached pretrained model (``pretrain.py``), full fine-tuning of its used weights on a 1-process DeepSpeed
 engine (ZeRO-2) through ``stages.update.Updater`` with the calibrated trust region, K iterations of (rollout of the 12

@@ -14,6 +14,7 @@ import os
 import platform
 import statistics
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from . import stats
@@ -488,12 +489,27 @@ def headline_table(runs: list[dict]) -> list[str]:
     return lines
 
 
+def elapsed(sittings: list[dict]) -> float:
+    """Seconds during which at least one sitting ran: the union of their intervals (overlapping sittings count once,
+    the gaps between sittings not at all)."""
+    intervals = sorted((_epoch(s["started"]), _epoch(s["started"]) + s["wall_s"]) for s in sittings)
+    total, reached = 0.0, -math.inf
+    for start, end in intervals:
+        total += max(0.0, end - max(start, reached))
+        reached = max(reached, end)
+    return total
+
+
+def _epoch(timestamp: str) -> float:
+    return datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+
+
 def _sweep_cost(saved: dict) -> str:
     """The sweep's wall time over all its sittings, and the machine and its load."""
     sittings = saved.get("sittings", [])
     if not sittings:
         return "no timing recorded"
-    wall = sum(s["wall_s"] for s in sittings)
+    wall = elapsed(sittings)
     runs = saved["runs"]
     loads = [s["load_average_at_start"][0] for s in sittings] + [s["load_average_at_end"][1] for s in sittings]
     jobs = sorted({s["jobs"] for s in sittings})

@@ -169,6 +169,16 @@ def test_the_headline_is_tested_at_every_evaluation_on_both_caption_sets():
     assert train[2]["test"]["difference"] == pytest.approx(2 * held_out[2]["test"]["difference"])
 
 
+def test_the_sweep_wall_time_counts_overlapping_sittings_once_and_gaps_not_at_all():
+    sittings = [
+        {"started": "2026-12-05T11:00:00Z", "wall_s": 600.0},  # 11:00-11:10
+        {"started": "2026-12-05T11:05:00Z", "wall_s": 600.0},  # 11:05-11:15, overlaps the first
+        {"started": "2026-12-05T12:00:00Z", "wall_s": 60.0},  # after an hour's gap
+    ]
+    assert report.elapsed(sittings) == 15 * 60 + 60
+    assert report.elapsed(sittings[:1]) == 600.0
+
+
 def test_collapse_counts_seeds_whose_vq_fell_past_the_stated_amount():
     summary = report.summarise(_fake_sweep())
     assert summary["kl none"]["collapsed"]["mean"] == 1.0 and summary["default"]["collapsed"]["mean"] == 0.0
@@ -188,7 +198,10 @@ def test_report_writes_tests_headline_and_the_earlier_sweep(tmp_path):
     saved = {
         "profile": "custom",
         "command": "python -m benchmarks.toyworld.compare --arms default",
-        "sittings": [sitting | {"load_average_at_end": [4.0, 5.0, 5.0]}, sitting | {"load_average_at_end": [2, 2, 2]}],
+        "sittings": [
+            sitting | {"started": "2026-12-05T11:00:00Z", "load_average_at_end": [4.0, 5.0, 5.0]},
+            sitting | {"started": "2026-12-05T12:00:00Z", "load_average_at_end": [2, 2, 2]},
+        ],
         "runs": _fake_sweep(),
     }
     md = tmp_path / "RESULTS.md"
