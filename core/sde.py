@@ -201,7 +201,7 @@ def noise_stds(variant: str, sigmas: torch.Tensor, eta: float, *, flow_sigma_max
     Raises ValueError when a step's std is not
     finite or negative: such a step must never pass for a deterministic one (it would silently stop training).
     """
-    std, _ = _schedule_terms(variant, sigmas, eta, flow_sigma_max)
+    std, _ = _noise_terms(variant, sigmas, eta, flow_sigma_max)
     bad = ~torch.isfinite(std) | (std < 0)
     if torch.any(bad):
         t = int(torch.nonzero(bad).flatten()[0])
@@ -215,12 +215,12 @@ def noise_stds(variant: str, sigmas: torch.Tensor, eta: float, *, flow_sigma_max
 def gradient_scales(variant: str, sigmas: torch.Tensor, eta: float, *, flow_sigma_max: float | None = None):
     """N_t = |d mean / d v| / std per step: how strongly a step's log-prob gradient scales. NaN on deterministic
     steps."""
-    std, jacobian = _schedule_terms(variant, sigmas, eta, flow_sigma_max)
+    std, jacobian = _noise_terms(variant, sigmas, eta, flow_sigma_max)
     stochastic = std > 0
     return torch.where(stochastic, jacobian.abs() / torch.where(stochastic, std, 1.0), torch.nan)
 
 
-def _schedule_terms(variant, sigmas, eta, flow_sigma_max):
+def _noise_terms(variant, sigmas, eta, flow_sigma_max):
     check_variant(variant)
     sigmas = torch.as_tensor(sigmas, dtype=torch.float64).cpu()
     sigma, sigma_next = sigmas[:-1], sigmas[1:]

@@ -1,4 +1,4 @@
-"""``sagegrpo inspect-sde``: per-step noise std, N_t and S_t of each SDE variant on a schedule."""
+"""``sagegrpo inspect-sde``: per-step noise std, N_t and S_t of each SDE variant on a noise schedule."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from sage_grpo.core import plotting, sde
 from sage_grpo.core.errors import UserError
 
 
-def schedule_table(variant: str, steps: int, shift: float, eta: float) -> list[dict]:
+def noise_schedule_table(variant: str, steps: int, shift: float, eta: float) -> list[dict]:
     sigmas = sde.flow_match_sigmas(steps, shift)
     stds = sde.noise_stds(variant, sigmas, eta)
     scales = sde.gradient_scales(variant, sigmas, eta)
@@ -64,7 +64,7 @@ def plot(tables: dict[str, list[dict]], path: str) -> None:
 
 def run(variant: str, steps: int, shift: float, eta: float, as_json: bool, plot_path: str | None) -> str:
     variants = list(sde.VARIANTS) if variant == "all" else [variant]
-    tables = {name: schedule_table(name, steps, shift, eta) for name in variants}
+    tables = {name: noise_schedule_table(name, steps, shift, eta) for name in variants}
     if plot_path:
         plot(tables, plot_path)
     if as_json:

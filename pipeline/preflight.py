@@ -4,7 +4,7 @@ It builds the real run (model, rewards, DeepSpeed) through the recipe, in a scra
 checkpoints and publishing off, runs three short iterations (up to six, until a ratio-steered lambda has acted on a
 measurement) and judges what a first GPU run gets wrong:
 
-- the schedule: every step's noise std is finite and >= 0 for the configured variant, steps, shift and eta;
+- the noise schedule: every step's noise std is finite and >= 0 for the configured variant, steps, shift and eta;
 - devices: the trainable weights and the rollout's tensors sit on the device the run expects;
 - rewards: every reward returns one score per video (none failed) and the total is finite;
 - on-policy: the first update recomputes the rollout's log-probs exactly (|log ratio| within 1e-5, so nothing clipped);
@@ -56,7 +56,7 @@ class Check:
 
 def preflight(config_path: str, overrides: list[str]) -> list[Check]:
     config = load_run_config(config_path, overrides)
-    checks = [schedule_check(config)]
+    checks = [noise_schedule_check(config)]
     with tempfile.TemporaryDirectory(prefix="sagegrpo-preflight-") as scratch:
         trial = load_run_config(config_path, [*overrides, *_trial_overrides(Path(scratch))])
         checks += _trial_checks(trial, config)
@@ -74,15 +74,15 @@ def _trial_overrides(scratch: Path) -> list[str]:
     ]
 
 
-def schedule_check(config: RunConfig) -> Check:
+def noise_schedule_check(config: RunConfig) -> Check:
     try:
-        stds = config.sde.schedule_stds().tolist()
+        stds = config.sde.noise_stds().tolist()
     except ValueError as error:
-        return Check("schedule", False, str(error).splitlines()[0])
+        return Check("noise schedule", False, str(error).splitlines()[0])
     bad = [t for t, value in enumerate(stds) if not (math.isfinite(value) and value >= 0)]
     if bad:
-        return Check("schedule", False, f"std not finite or negative at steps {bad[:5]} of {len(stds)}")
-    return Check("schedule", True, f"{len(stds)} steps, std in [{min(stds):.3g}, {max(stds):.3g}]")
+        return Check("noise schedule", False, f"std not finite or negative at steps {bad[:5]} of {len(stds)}")
+    return Check("noise schedule", True, f"{len(stds)} steps, std in [{min(stds):.3g}, {max(stds):.3g}]")
 
 
 def _trial_checks(trial: RunConfig, planned: RunConfig) -> list[Check]:

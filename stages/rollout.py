@@ -120,7 +120,7 @@ class SDEConfig(BaseModel):
         stochastic = self.variant != "ode"
         return [self.eta if stochastic and start <= t < end else 0.0 for t in range(self.steps)]
 
-    def schedule_stds(self, sigmas: torch.Tensor | None = None) -> torch.Tensor:
+    def noise_stds(self, sigmas: torch.Tensor | None = None) -> torch.Tensor:
         """[T] float64 noise std of every step, 0 outside the window; ``sigmas`` default to the flow-matching
         schedule, the rollout passes its scheduler's. Raises ValueError on a non-finite or negative std."""
         sigmas = flow_match_sigmas(self.steps, self.shift) if sigmas is None else sigmas
@@ -133,7 +133,7 @@ class SDEConfig(BaseModel):
         Never the last step (to sigma 0, deterministic for every variant) nor a SAGE step lying wholly above its
         sigma clamp (no noise): neither has a log-prob, so training them would only add zero-gradient micro-steps.
         """
-        return self.schedule_stds(sigmas) > 0
+        return self.noise_stds(sigmas) > 0
 
     @property
     def trained_step_count(self) -> int:
@@ -142,7 +142,7 @@ class SDEConfig(BaseModel):
 
     def step_weights(self, sigmas: torch.Tensor | None = None) -> torch.Tensor:
         """[T] float32 S_t, the temporal gradient equalizer's weight of every step's loss: balanced over the trained
-        steps, 0 on the others (``sigmas`` as in ``schedule_stds``)."""
+        steps, 0 on the others (``sigmas`` as in ``noise_stds``)."""
         sigmas = flow_match_sigmas(self.steps, self.shift) if sigmas is None else sigmas
         trained = self.trained_steps_mask(sigmas)
         return balance_factors(self.sde_variant, sigmas, self.eta, trained=trained).float()
@@ -225,7 +225,7 @@ def generate(
         raise ValueError(f"{len(prompt_ids)} prompt_ids for {len(prompts)} prompts")
 
     sigmas = adapter.sigma_schedule(sde_config.steps, sde_config.shift).cpu()
-    stds = sde_config.schedule_stds(sigmas)  # raises on a NaN std: never a silently untrained step
+    stds = sde_config.noise_stds(sigmas)  # raises on a NaN std: never a silently untrained step
     step_etas = sde_config.step_etas()
     if embeddings is None:  # callers with an embedding cache pass the prompts' embeddings in
         embeddings = adapter.encode_prompts(prompts)

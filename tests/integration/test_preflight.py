@@ -10,7 +10,7 @@ from tests.integration.pipeline_runs import DEMO, REPO, SHORT, environment
 
 pytestmark = [pytest.mark.integration]
 
-CHECKS = ["schedule", "devices", "rewards", "on-policy first update", "trust region acts", "peak memory", "time"]
+CHECKS = ["noise schedule", "devices", "rewards", "on-policy first update", "trust region acts", "peak memory", "time"]
 
 
 def _preflight(tmp_path, *overrides):

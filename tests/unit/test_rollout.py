@@ -209,7 +209,7 @@ def test_trained_steps_are_the_configs_rule_on_the_rollouts_own_schedule(rollout
 def test_long_sage_schedules_validate_and_never_train_a_step_without_noise(steps):
     config = SDEConfig(variant="sage", eta=0.5, steps=steps, shift=5.0)
     trained = config.trained_steps_mask()
-    stds = config.schedule_stds()
+    stds = config.noise_stds()
     assert torch.isfinite(stds).all() and torch.equal(trained, stds > 0) and not trained[-1]
     assert trained.sum() >= steps * 0.95
 

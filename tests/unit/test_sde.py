@@ -129,7 +129,7 @@ def test_clamped_flow_first_step_std_exceeds_sage_by_the_formula_ratio():
 def test_mean_jacobian_matches_autograd(variant):
     """N_t's numerator is d mean / d v; check each variant's analytic derivative against autograd."""
     sigmas = sde.flow_match_sigmas(6, 3.0)
-    _, jacobian = sde._schedule_terms(variant, sigmas, ETA, None)
+    _, jacobian = sde._noise_terms(variant, sigmas, ETA, None)
     for t in range(5):
         x = torch.randn(1, 3, dtype=torch.float64)
         v = torch.randn(1, 3, dtype=torch.float64, requires_grad=True)
