@@ -96,7 +96,7 @@ class SDEConfig(BaseModel):
         sliding_window(self.window, self.steps, 0, self.window_every)
         size = self.window[1] - self.window[0]
         positions = [(start, start + size) for start in range(self.steps - size)]
-        counts = {int(self.model_copy(update={"window": p}).trained_steps_mask().sum()) for p in positions}
+        counts = {self.model_copy(update={"window": p}).trained_step_count for p in positions}
         if len(counts) > 1:  # the update's accumulation count is set once, from the first position
             raise ValueError(
                 f"sde.window_schedule=sliding: a {size}-step window trains {sorted(counts)} steps at different "

@@ -56,7 +56,7 @@ CORPUS = [
     ("update.optimizer=muon|update.max_grad_norm=0.5", "update"),  # DeepSpeed would clip Muon's update by its norm
     ("update.lr_schedule=cosine", "update"),
     ("update.lr_warmup_steps=-1", "update.lr_warmup_steps"),
-    ("update.seed=-5", "update.seed"),
+    ("update.seed=5", "update.seed"),  # moved to the top-level seed
     ("update.lr=1e-4", "update.lr"),
     ("trust_region.strategy=strong", "trust_region.strategy"),
     ("trust_region.preset=nope", "trust_region.preset"),
