@@ -26,8 +26,17 @@ from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater
 PROMPTS = ["a red ball bouncing", "a blue car driving at night"]
 GROUP_SIZE = 2
 REWARDS = torch.tensor([0.1, 0.9, 0.7, 0.2])
+
+
+def hunyuan15_odd_text(**kwargs):
+    """The tiny HunyuanVideo 1.5 with 33 Qwen tokens: 45 text tokens in all, which K = 2 pads to 46."""
+    adapter = tiny_hunyuan15(**kwargs)
+    adapter.pipeline.tokenizer_max_length = 33
+    return adapter
+
+
 # Each model's factory and its first transformer block, where the tokens are split.
-MODELS = {"hunyuan15": (tiny_hunyuan15, "transformer_blocks.0"), "wan": (tiny_wan, "blocks.0")}
+MODELS = {"hunyuan15": (hunyuan15_odd_text, "transformer_blocks.0"), "wan": (tiny_wan, "blocks.0")}
 
 
 def record_first_gradient(engine, into: dict[str, torch.Tensor]) -> None:
