@@ -1,6 +1,6 @@
 """The update's throughput options on a tiny HunyuanVideo 1.5 under a 1-process DeepSpeed engine (run by torchrun):
-several updates per rollout, several transitions per forward, and the EMA with an exact resume. Writes a JSON
-report for tests/distributed/test_throughput.py."""
+several updates per rollout, several transitions per forward, and the EMA with an exact resume through the run's
+Checkpointer. Writes a JSON report for tests/distributed/test_throughput.py."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from sage_grpo.core import distributed
 from sage_grpo.core.grpo import group_advantages
 from sage_grpo.core.lora import LoraConfig, add_lora
 from sage_grpo.core.models.tiny import tiny_hunyuan15
+from sage_grpo.pipeline.checkpointer import Checkpointer
+from sage_grpo.pipeline.config import RunConfig
 from sage_grpo.stages.engine import build_engine
 from sage_grpo.stages.rollout import SDEConfig, generate
 from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater
@@ -69,18 +71,33 @@ def max_difference(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def _checkpoint(updater: Updater, out: Path, name: str) -> None:
-    """What the Checkpointer saves: DeepSpeed's engine checkpoint and the Updater's own state."""
-    updater.engine.save_checkpoint(str(out / name), tag=name)
-    torch.save(updater.state_dict(), out / f"{name}_updater.pt")
+def _checkpointer(updater: Updater, deepspeed_config: str, out: Path, name: str) -> Checkpointer:
+    """The run's Checkpointer around this updater's engine (the Updater registered as the recipe registers it), its
+    root under ``out/name``. The config holds the settings the updater was built with, so a resume under others is
+    refused as a run's would be."""
+    config = RunConfig(
+        run={"output_dir": str(out / name)},
+        data={"source": "prompts.txt"},  # never read: the rollout is fixed
+        sde=SDE,
+        rollout={"group_size": 2, "prompts_per_rank": len(PROMPTS)},
+        update=updater.config,
+        trust_region=updater.trust_config,
+        deepspeed={"config": deepspeed_config},
+    )
+    return Checkpointer(config, updater.engine, {"updater": updater})
+
+
+def _checkpoint(updater: Updater, deepspeed_config: str, out: Path, name: str) -> None:
+    """The Checkpointer's save of this step (the updates done so far): the engine and the Updater's state."""
+    checkpointer = _checkpointer(updater, deepspeed_config, out, name)
+    checkpointer.claim()
+    checkpointer.save(updater.updates_done, force=True)
 
 
 def _resumed(deepspeed_config: str, out: Path, name: str, **options) -> Updater:
-    """A fresh Updater loaded from :func:`_checkpoint`'s files, the Updater's state data-only as the Checkpointer
-    loads it."""
+    """A fresh Updater and engine restored by the Checkpointer from :func:`_checkpoint`'s step."""
     resumed, _ = build(deepspeed_config, **options)
-    resumed.engine.load_checkpoint(str(out / name), tag=name)
-    resumed.load_state_dict(torch.load(out / f"{name}_updater.pt", weights_only=True))
+    _checkpointer(resumed, deepspeed_config, out, name).load("auto", require=True)
     return resumed
 
 
@@ -94,7 +111,7 @@ def ema_scenario(deepspeed_config: str, out: Path) -> dict:
     formula_error, restored_exactly = 0.0, True
     for update in range(1, 4):
         if update == 3:
-            _checkpoint(updater, out, "ema")
+            _checkpoint(updater, deepspeed_config, out, "ema")
         updater.update(rollout, advantages(rollout))
         policy = gathered(module)
         expected = {k: decay * expected[k] + (1 - decay) * policy[k] for k in expected}
@@ -127,7 +144,7 @@ def _resumed_third_update(deepspeed_config: str, out: Path, name: str, **options
     updater.update(rollout, advantages(rollout))
     after_one = gathered(updater.engine.module)
     updater.update(rollout, advantages(rollout))
-    _checkpoint(updater, out, name)
+    _checkpoint(updater, deepspeed_config, out, name)
     updater.update(rollout, advantages(rollout))
     resumed = _resumed(deepspeed_config, out, name, **options)
     resumed.update(rollout, advantages(rollout))
