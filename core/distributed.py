@@ -150,10 +150,15 @@ def init(timeout_minutes: float = 30.0) -> None:
         return
     import deepspeed
 
-    from sage_grpo.core.ops_cache import clear_stale_locks, use_this_environments_ninja
+    from sage_grpo.core.ops_cache import (
+        clear_stale_locks,
+        use_this_environments_extensions_dir,
+        use_this_environments_ninja,
+    )
 
-    # DeepSpeed loads (or JIT-builds) its ops here; a lock left by a process killed mid-build would hang every rank,
-    # and another environment's ninja would rebuild them.
+    # DeepSpeed loads (or JIT-builds) its ops here, in this environment's own folder; a lock left by a process killed
+    # mid-build would hang every rank, and another environment's ninja would rebuild them.
+    use_this_environments_extensions_dir()
     use_this_environments_ninja()
     clear_stale_locks()
     launched = "WORLD_SIZE" in os.environ  # torchrun, the deepspeed launcher, Slurm's srun wrappers set it

@@ -16,12 +16,17 @@ A lock held by a live process here that has gone quiet as long is a stuck build:
 (removing that lock would let the stuck process delete a later holder's lock when it ends).
 Waiting for a live build says what it waits for, once.
 
+Each environment builds in its own folder (``use_this_environments_extensions_dir``): torch's default,
+``~/.cache/torch_extensions/py311_cpu``, is one folder for every environment of a user, and torch's build rules hold
+the include paths of the environment that built an op, so two venvs (or a clean clone's) rebuilt each other's ops
+and waited on each other's locks for minutes. ``$TORCH_EXTENSIONS_DIR``, where set (the image's shared ``/cache``,
+Slurm's job folder), is used as it is.
+
 ``prebuild_ops`` builds the ops at set-up (``scripts/setup.sh``), so no training run builds them. A built op can
-still be stale for this environment: torch's build rules hold the include paths of the environment that built it,
-so a second environment sharing the cache (another venv, a clean clone's) rebuilds it for its own paths, and the
-first environment's next run would rebuild it back in the middle of that run. So set-up records, in the
-environment, each op's build rules as it last loaded them, and loads the ops again (torch's ninja build rebuilds
-only what changed) whenever the cache no longer holds those rules.
+still be stale for this environment where several share a folder through ``$TORCH_EXTENSIONS_DIR``: another
+environment rebuilds it for its own paths, and this one's next run would rebuild it back in the middle of that run.
+So set-up records, in the environment, each op's build rules as it last loaded them, and loads the ops again (torch's
+ninja build rebuilds only what changed) whenever the folder no longer holds those rules.
 
 ``use_this_environments_ninja`` runs before either: torch runs ``ninja`` from PATH, and an environment's
 interpreter started without activating it (``.venv/bin/python``, a console script, a subprocess) finds the system's
@@ -56,8 +61,9 @@ STAMP_NAME = ".sage-grpo-deepspeed-ops.json"
 
 
 def extensions_root() -> Path:
-    """Where torch builds extensions: torch's own rule (``cpp_extension._get_build_directory``, private):
-    ``$TORCH_EXTENSIONS_DIR`` as is, else the user cache folder plus ``py<ver>_<accelerator>``."""
+    """Where torch builds this environment's extensions: ``$TORCH_EXTENSIONS_DIR`` as is, else this environment's own
+    folder beside torch's default (``~/.cache/torch_extensions/py311_cpu-env-<digest of sys.prefix>``; torch's rule,
+    ``cpp_extension._get_build_directory``, is private)."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return Path(os.environ["TORCH_EXTENSIONS_DIR"])
     import torch
@@ -70,7 +76,16 @@ def extensions_root() -> Path:
     else:
         accelerator = "cpu"
     python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return Path(get_default_build_root()) / f"{python}_{accelerator}"
+    environment = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
+    return Path(get_default_build_root()) / f"{python}_{accelerator}-env-{environment}"
+
+
+def use_this_environments_extensions_dir() -> Path:
+    """Point torch (and so DeepSpeed) at this environment's own extensions folder where ``$TORCH_EXTENSIONS_DIR`` is
+    unset (see the module docstring); returns the folder. Child processes (torchrun's workers) inherit it."""
+    root = extensions_root()
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(root)
+    return root
 
 
 def use_this_environments_ninja(scripts: str | Path | None = None) -> None:
@@ -173,7 +188,7 @@ def prebuild_ops(stamp: Path | None = None) -> None:
     environment, ``sys.prefix``) matches the cache. Nothing to do on other accelerators, whose images build their ops
     at install time (see the Dockerfile)."""
     use_this_environments_ninja()
-    root = extensions_root()
+    root = use_this_environments_extensions_dir()
     if root.is_dir():
         clear_stale_locks(root)
     stamp = Path(sys.prefix) / STAMP_NAME if stamp is None else stamp

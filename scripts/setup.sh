@@ -25,7 +25,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 # DeepSpeed builds its CPU ops on first use. Build them here, once, rather than inside a training run: a run killed
-# mid-build leaves a lock that stalls every later run (core/ops_cache.py also clears such a stale lock). Skipped,
-# without importing DeepSpeed, when this environment built them; rebuilt when another environment sharing the
-# cache rebuilt them for its own paths since.
+# mid-build leaves a lock that stalls every later run (core/ops_cache.py also clears such a stale lock). They are
+# built in this environment's own folder (~/.cache/torch_extensions/py311_cpu-env-<digest>) unless
+# TORCH_EXTENSIONS_DIR is set. Skipped, without importing DeepSpeed, when this environment built them; rebuilt when
+# another environment sharing a TORCH_EXTENSIONS_DIR rebuilt them for its own paths since.
 .venv/bin/python -c "from sage_grpo.core.ops_cache import prebuild_ops; prebuild_ops()"

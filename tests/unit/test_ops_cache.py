@@ -9,10 +9,13 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
+from pathlib import Path
 
 import pytest
 from torch.utils import file_baton
+from torch.utils.cpp_extension import get_default_build_root
 
 from sage_grpo.core import ops_cache
 from sage_grpo.core.errors import UserError
@@ -22,6 +25,7 @@ from sage_grpo.core.ops_cache import (
     clear_stale_locks,
     extensions_root,
     prebuild_ops,
+    use_this_environments_extensions_dir,
     use_this_environments_ninja,
 )
 
@@ -216,3 +220,42 @@ def test_an_environment_without_its_own_ninja_keeps_path(tmp_path, monkeypatch):
     (tmp_path / "venv-bin").mkdir()
     use_this_environments_ninja(tmp_path / "venv-bin")
     assert os.environ["PATH"] == str(system)
+
+
+ROOT_AND_VARIABLE = (
+    "import os; from sage_grpo.core.ops_cache import use_this_environments_extensions_dir; "
+    "print(use_this_environments_extensions_dir()); print(os.environ['TORCH_EXTENSIONS_DIR'])"
+)
+
+
+def _extensions_folder_of(python, **env) -> str:
+    """The folder ``python`` builds DeepSpeed's ops in when TORCH_EXTENSIONS_DIR is unset, and what it sets the
+    variable to for its child processes (one line each)."""
+    environment = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"} | env
+    result = subprocess.run(
+        [str(python), "-c", ROOT_AND_VARIABLE], env=environment, capture_output=True, text=True, timeout=300, check=True
+    )
+    root, variable = result.stdout.split()
+    assert root == variable
+    return root
+
+
+def test_two_environments_build_their_ops_in_folders_of_their_own(tmp_path):
+    """torch's default (~/.cache/torch_extensions/py311_cpu) is one folder for every venv of a user: two venvs would
+    rebuild each other's ops and wait on each other's locks."""
+    other = tmp_path / "other-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(other)], check=True, timeout=120)
+    # The other venv runs this checkout with this venv's packages, as a clean clone's venv would with its own.
+    shared = os.pathsep.join([sysconfig.get_paths()["purelib"], str(Path(__file__).resolve().parents[2])])
+
+    ours = _extensions_folder_of(sys.executable)
+    theirs = _extensions_folder_of(other / "bin" / "python", PYTHONPATH=shared)
+
+    assert ours != theirs
+    assert Path(ours).parent == Path(theirs).parent == Path(get_default_build_root())  # still in the user's cache
+    assert ours == _extensions_folder_of(sys.executable)  # the same folder at every start: ops built once
+
+
+def test_a_torch_extensions_dir_that_is_set_is_kept(extensions):
+    assert use_this_environments_extensions_dir() == extensions
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(extensions)
