@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The scheduled fine-tuning run (pipeline/schedule.py): newest prompt set, train (resume or new; a completed run
+# The scheduled fine-tuning run (pipeline/scheduled_run.py): newest prompt set, train (resume or new; a completed run
 # registers itself as the challenger), promote (the config's registry gate on its tracking server).
 # For cron on a host, or as the CronJob's command (infra/k8s/base/cronjob.yaml); arguments go to `sagegrpo schedule`:
 #

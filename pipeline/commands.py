@@ -395,10 +395,10 @@ def schedule_command(
     today: date | None,
     dry_run: bool,
 ) -> int:
-    """The scheduled run (``pipeline.schedule``): newest prompts, train, promote."""
-    from sage_grpo.pipeline.schedule import ScheduleOptions, run_schedule
+    """The scheduled run (``pipeline.scheduled_run``): newest prompts, train, promote."""
+    from sage_grpo.pipeline.scheduled_run import ScheduledRunOptions, run_scheduled
 
-    options = ScheduleOptions(
+    options = ScheduledRunOptions(
         config_path, prompts, checkpoint_root, model, work_dir, nproc_per_node, today, dry_run, tuple(overrides)
     )
-    return run_schedule(options)
+    return run_scheduled(options)

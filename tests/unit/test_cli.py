@@ -134,10 +134,10 @@ def test_the_summary_never_prints_a_tracking_password(tmp_path):
     ],
 )
 def test_schedule_takes_the_config_like_the_other_commands(monkeypatch, argv):
-    from sage_grpo.pipeline import schedule
+    from sage_grpo.pipeline import scheduled_run
 
     seen = []
-    monkeypatch.setattr(schedule, "run_schedule", lambda options: seen.append(options) or 0)
+    monkeypatch.setattr(scheduled_run, "run_scheduled", lambda options: seen.append(options) or 0)
     assert cli.main(argv) == 0
     assert (seen[0].config, seen[0].overrides, seen[0].model) == (DEMO, ("seed=3",), "m")
 

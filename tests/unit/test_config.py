@@ -141,12 +141,12 @@ def test_a_moved_key_is_refused_with_where_it_went(override, replacement):
 
 
 def test_the_checkpoint_store_and_the_scheduler_reach_s3_through_the_one_s3_section(tmp_path):
-    from sage_grpo.pipeline.schedule import ScheduleOptions, stores
+    from sage_grpo.pipeline.scheduled_run import ScheduledRunOptions, stores
 
     overrides = ("s3.endpoint_url=http://minio:9000", "s3.addressing_style=path", "s3.region_name=eu-west-1")
     config = load_run_config(REPO / "configs" / "demo.yaml", list(overrides))
     checkpoints = config.checkpoint.model_copy(update={"uri": "s3://bucket/run"}).build(s3=config.s3)
-    options = ScheduleOptions(
+    options = ScheduledRunOptions(
         str(REPO / "configs" / "demo.yaml"), "s3://bucket/prompts", "s3://bucket/runs", "m", overrides=overrides
     )
     clients = [checkpoints.backend._client, *(store._s3 for store in stores(options))]

@@ -1,4 +1,4 @@
-"""The scheduled run: decisions, markers, commands and the lock (pipeline/schedule.py, infra/scheduled_run.sh)."""
+"""The scheduled run: decisions, markers, commands and the lock (pipeline/scheduled_run.py, infra/scheduled_run.sh)."""
 
 import dataclasses
 import fcntl
@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from sage_grpo.core.errors import RETRYABLE_EXIT_CODE, UserError
-from sage_grpo.pipeline import schedule
+from sage_grpo.pipeline import scheduled_run
 
 pytestmark = pytest.mark.unit
 
@@ -27,36 +27,36 @@ PROMPT_SETS = ["2026-11-20", "2026-12-01.jsonl", "_SUCCESS", ".2026-12-09.upload
 
 
 def _run(name, prompt_set="2026-11-20", completed=()):
-    return schedule.RunState(name, prompt_set, frozenset(completed))
+    return scheduled_run.RunState(name, prompt_set, frozenset(completed))
 
 
 def test_first_start_of_the_day_trains_a_new_run_on_the_newest_prompt_set():
-    decision = schedule.decide(TODAY, PROMPT_SETS, [_run("sage-2026-12-02", completed=schedule.STEPS)])
+    decision = scheduled_run.decide(TODAY, PROMPT_SETS, [_run("sage-2026-12-02", completed=scheduled_run.STEPS)])
     assert decision.action == "new"
     assert decision.run_name == "sage-2026-12-03"
     assert decision.prompt_set == "2026-12-01.jsonl"  # hidden and marker entries are not prompt sets
-    assert decision.steps == schedule.STEPS
+    assert decision.steps == scheduled_run.STEPS
 
 
 def test_a_complete_run_today_means_nothing_to_do():
-    decision = schedule.decide(TODAY, PROMPT_SETS, [_run("sage-2026-12-03", completed=schedule.STEPS)])
+    decision = scheduled_run.decide(TODAY, PROMPT_SETS, [_run("sage-2026-12-03", completed=scheduled_run.STEPS)])
     assert (decision.action, decision.steps) == ("skip", ())
 
 
 def test_a_prompt_set_already_trained_is_not_trained_again():
-    done = _run("sage-2026-12-02", prompt_set="2026-12-01.jsonl", completed=schedule.STEPS)
-    decision = schedule.decide(TODAY, PROMPT_SETS, [done])
+    done = _run("sage-2026-12-02", prompt_set="2026-12-01.jsonl", completed=scheduled_run.STEPS)
+    decision = scheduled_run.decide(TODAY, PROMPT_SETS, [done])
     assert (decision.action, decision.steps) == ("skip", ())
     assert "already trained by sage-2026-12-02" in decision.reason
 
 
 def test_an_unfinished_run_is_resumed_from_its_first_unfinished_step_on_its_own_prompts():
     runs = [
-        _run("sage-2026-11-30", completed=schedule.STEPS),
+        _run("sage-2026-11-30", completed=scheduled_run.STEPS),
         _run("sage-2026-12-01", completed={"train"}),
         _run("manual-experiment"),
     ]
-    decision = schedule.decide(TODAY, PROMPT_SETS, runs)
+    decision = scheduled_run.decide(TODAY, PROMPT_SETS, runs)
     assert decision.action == "resume"
     assert decision.run_name == "sage-2026-12-01"
     assert decision.prompt_set == "2026-11-20"
@@ -64,22 +64,22 @@ def test_an_unfinished_run_is_resumed_from_its_first_unfinished_step_on_its_own_
 
 
 def test_markers_of_runs_from_before_the_evaluate_step_was_dropped_still_read(tmp_path):
-    root = schedule.Store(str(tmp_path))
+    root = scheduled_run.Store(str(tmp_path))
     old_layout = {"sage-2026-12-01": ("train", "evaluate", "promote"), "sage-2026-12-02": ("train", "evaluate")}
     for name, steps in old_layout.items():
         root.write("2026-12-01\n", name, "schedule", "prompt_set")
         for step in steps:
             root.write("", name, "schedule", f"{step}.done")
-    complete, unfinished = schedule.read_runs(root)
+    complete, unfinished = scheduled_run.read_runs(root)
     assert complete.done and not unfinished.done
-    assert schedule.decide(TODAY, PROMPT_SETS, [complete, unfinished]).steps == ("promote",)
+    assert scheduled_run.decide(TODAY, PROMPT_SETS, [complete, unfinished]).steps == ("promote",)
 
 
 def test_unscheduled_runs_are_ignored_and_missing_prompts_are_a_user_error():
     with pytest.raises(UserError, match="no prompt set"):
-        schedule.decide(TODAY, ["_SUCCESS"], [_run("manual-experiment")])
+        scheduled_run.decide(TODAY, ["_SUCCESS"], [_run("manual-experiment")])
     with pytest.raises(UserError, match="prompt_set"):
-        schedule.decide(TODAY, PROMPT_SETS, [_run("sage-2026-12-01", prompt_set=None)])
+        scheduled_run.decide(TODAY, PROMPT_SETS, [_run("sage-2026-12-01", prompt_set=None)])
 
 
 def _config(tmp_path: Path, tracking_uri: str | None = "http://mlflow.example:5000") -> Path:
@@ -93,11 +93,11 @@ def _config(tmp_path: Path, tracking_uri: str | None = "http://mlflow.example:50
 
 def _args(
     tmp_path: Path, day: str = "2026-12-03", dry_run: bool = False, config: Path | None = None
-) -> schedule.ScheduleOptions:
+) -> scheduled_run.ScheduledRunOptions:
     prompts = tmp_path / "prompts"
     for name in ("2026-12-01", "2026-12-02"):
         (prompts / name).mkdir(parents=True, exist_ok=True)
-    return schedule.ScheduleOptions(
+    return scheduled_run.ScheduledRunOptions(
         str(config or _config(tmp_path)),
         str(prompts),
         str(tmp_path / "ckpt"),
@@ -116,44 +116,44 @@ def steps(monkeypatch):
         ran.append((step, decision.run_name, decision.prompt_set))
         return [sys.executable, "-c", f"raise SystemExit({statuses.get(step, 0)})"]
 
-    monkeypatch.setattr(schedule, "step_command", command)
+    monkeypatch.setattr(scheduled_run, "step_command", command)
     return ran, statuses
 
 
 def test_starting_twice_the_same_day_does_not_train_twice(tmp_path, steps):
     ran, _ = steps
-    assert schedule.run_schedule(_args(tmp_path)) == 0
-    assert ran == [(step, "sage-2026-12-03", "2026-12-02") for step in schedule.STEPS]
+    assert scheduled_run.run_scheduled(_args(tmp_path)) == 0
+    assert ran == [(step, "sage-2026-12-03", "2026-12-02") for step in scheduled_run.STEPS]
     assert (tmp_path / "ckpt" / "sage-2026-12-03" / "schedule" / "prompt_set").read_text().strip() == "2026-12-02"
-    assert schedule.run_schedule(_args(tmp_path)) == 0
-    assert len(ran) == len(schedule.STEPS)  # the second start ran nothing
+    assert scheduled_run.run_scheduled(_args(tmp_path)) == 0
+    assert len(ran) == len(scheduled_run.STEPS)  # the second start ran nothing
 
 
 def test_a_checkpointed_stop_is_passed_on_and_resumed_at_the_next_start(tmp_path, steps):
     ran, statuses = steps
     statuses["train"] = RETRYABLE_EXIT_CODE
-    assert schedule.run_schedule(_args(tmp_path)) == RETRYABLE_EXIT_CODE
+    assert scheduled_run.run_scheduled(_args(tmp_path)) == RETRYABLE_EXIT_CODE
     assert not (tmp_path / "ckpt" / "sage-2026-12-03" / "schedule" / "train.done").exists()
     statuses["train"] = 0
     (tmp_path / "prompts" / "2026-12-04").mkdir()  # new data for the second day
     # The next day's start finishes yesterday's run before starting a new one.
-    assert schedule.run_schedule(_args(tmp_path, day="2026-12-04")) == 0
-    assert ran[1:] == [(step, "sage-2026-12-03", "2026-12-02") for step in schedule.STEPS]  # its own prompts
-    assert schedule.run_schedule(_args(tmp_path, day="2026-12-04")) == 0
+    assert scheduled_run.run_scheduled(_args(tmp_path, day="2026-12-04")) == 0
+    assert ran[1:] == [(step, "sage-2026-12-03", "2026-12-02") for step in scheduled_run.STEPS]  # its own prompts
+    assert scheduled_run.run_scheduled(_args(tmp_path, day="2026-12-04")) == 0
     assert ran[-1] == ("promote", "sage-2026-12-04", "2026-12-04")
 
 
 def test_dry_run_writes_nothing(tmp_path, steps, capsys):
     ran, _ = steps
-    assert schedule.run_schedule(_args(tmp_path, dry_run=True)) == 0
-    assert not (tmp_path / "ckpt").exists() and len(ran) == len(schedule.STEPS)
+    assert scheduled_run.run_scheduled(_args(tmp_path, dry_run=True)) == 0
+    assert not (tmp_path / "ckpt").exists() and len(ran) == len(scheduled_run.STEPS)
     assert "schedule: new: new run sage-2026-12-03" in capsys.readouterr().out
 
 
 def test_train_step_runs_under_the_launcher_with_resume_auto(tmp_path):
     args = _args(tmp_path)
-    decision = schedule.Decision("new", "sage-2026-12-03", "2026-12-02", schedule.STEPS, "")
-    command = schedule.step_command("train", decision, args, schedule.Store(args.checkpoint_root))
+    decision = scheduled_run.Decision("new", "sage-2026-12-03", "2026-12-02", scheduled_run.STEPS, "")
+    command = scheduled_run.step_command("train", decision, args, scheduled_run.Store(args.checkpoint_root))
     assert command[:3] == [sys.executable, "-m", "sage_grpo.pipeline.launch"]
     # Each worker is this interpreter running the CLI module: nothing is looked up on PATH.
     assert command[command.index("--module") + 1 : command.index("--module") + 3] == ["sage_grpo.pipeline.cli", "run"]
@@ -168,14 +168,14 @@ def test_train_step_runs_under_the_launcher_with_resume_auto(tmp_path):
 
 def test_promote_step_gates_with_the_configs_registry_settings_and_the_runs_overrides(tmp_path):
     args = dataclasses.replace(_args(tmp_path), overrides=("tracking.tracking_uri=http://mlflow.team:5000",))
-    decision = schedule.Decision("new", "sage-2026-12-03", "2026-12-02", schedule.STEPS, "")
-    root = schedule.Store(args.checkpoint_root)
-    command = schedule.step_command("promote", decision, args, root)
+    decision = scheduled_run.Decision("new", "sage-2026-12-03", "2026-12-02", scheduled_run.STEPS, "")
+    root = scheduled_run.Store(args.checkpoint_root)
+    command = scheduled_run.step_command("promote", decision, args, root)
     assert command[:4] == [sys.executable, "-m", "sage_grpo.pipeline.cli", "promote"]
     assert command[command.index("--config") + 1] == args.config
     assert command[command.index("--model") + 1] == "m"
     # The same overrides as training (the user's tracking URI among them), so the same tracking server.
-    assert command[command.index("m") + 1 :] == schedule.run_overrides(decision, args, root)
+    assert command[command.index("m") + 1 :] == scheduled_run.run_overrides(decision, args, root)
     assert "tracking.tracking_uri=http://mlflow.team:5000" in command
 
 
@@ -194,7 +194,7 @@ def test_a_config_the_scheduled_run_cannot_use_is_refused_before_any_step(
     if problem == "an invalid config":
         config.write_text(config.read_text().replace("learning_rate: 0.003", "learning_rate: -1"))
     with pytest.raises(UserError, match=message):
-        schedule.run_schedule(_args(tmp_path, config=config))
+        scheduled_run.run_scheduled(_args(tmp_path, config=config))
     assert ran == [] and not (tmp_path / "ckpt").exists()
 
 

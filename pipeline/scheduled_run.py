@@ -61,7 +61,7 @@ _RUN_NAME = re.compile(rf"^{RUN_PREFIX}-\d{{4}}-\d{{2}}-\d{{2}}$")
 
 
 @dataclass(frozen=True)
-class ScheduleOptions:
+class ScheduledRunOptions:
     """What ``sagegrpo schedule`` was asked to do (the command line's options)."""
 
     config: str
@@ -204,7 +204,7 @@ def read_runs(root: Store) -> list[RunState]:
     return runs
 
 
-def run_overrides(decision: Decision, args: ScheduleOptions, root: Store) -> list[str]:
+def run_overrides(decision: Decision, args: ScheduledRunOptions, root: Store) -> list[str]:
     """The config overrides that make training one scheduled run: its identity and checkpoints under the checkpoint
     root, outputs and caches on local disk, its prompt set, and registration of the result as the challenger."""
     return [
@@ -218,7 +218,7 @@ def run_overrides(decision: Decision, args: ScheduleOptions, root: Store) -> lis
     ]
 
 
-def step_command(step: str, decision: Decision, args: ScheduleOptions, root: Store) -> list[str]:
+def step_command(step: str, decision: Decision, args: ScheduledRunOptions, root: Store) -> list[str]:
     """The command line of one step, both with this interpreter (no ``sagegrpo`` looked up on PATH) and the same
     overrides. Training runs under pipeline.launch so a checkpointed stop keeps status 75."""
     overrides = run_overrides(decision, args, root)
@@ -253,7 +253,7 @@ def step_command(step: str, decision: Decision, args: ScheduleOptions, root: Sto
     ]
 
 
-def check_config(decision: Decision, args: ScheduleOptions, root: Store) -> None:
+def check_config(decision: Decision, args: ScheduledRunOptions, root: Store) -> None:
     """The run config as training will see it, validated before any step starts (one line if it is wrong)."""
     from sage_grpo.pipeline.config import load_run_config
 
@@ -265,7 +265,7 @@ def check_config(decision: Decision, args: ScheduleOptions, root: Store) -> None
         )
 
 
-def stores(args: ScheduleOptions) -> tuple[Store, Store]:
+def stores(args: ScheduledRunOptions) -> tuple[Store, Store]:
     """The checkpoint root and the prompts location, reached with the run's own ``s3`` settings (the config's and the
     user's overrides; the prompts location stands in for data.source, which is the schedule's to set)."""
     from sage_grpo.pipeline.config import load_run_config
@@ -290,7 +290,7 @@ def run_relaying_stop_signals(command: list[str]) -> int:
             signal.signal(signum, handler)
 
 
-def run_schedule(args: ScheduleOptions) -> int:
+def run_scheduled(args: ScheduledRunOptions) -> int:
     root, prompts = stores(args)
     decision = decide(args.date or date.today(), prompts.children(), read_runs(root))
     print(f"schedule: {decision.action}: {decision.reason}", flush=True)
