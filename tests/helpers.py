@@ -117,20 +117,17 @@ def torchrun(nproc: int, *target: str, timeout: int = 600) -> subprocess.Complet
 
 
 LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-_world_environment: dict[str, str] = {}  # what distributed.init set them to, for every later world_of_one
 
 
 @contextlib.contextmanager
 def world_of_one() -> Iterator[None]:
     """This process as a world of one, as ``sagegrpo run`` starts without a launcher (gloo, a rendezvous file), so a
-    DeepSpeed engine runs in-process. The group is made once and kept until the process ends: DeepSpeed caches its
-    groups, and a second process group would find them stale. The launcher variables are set only inside, so a later
-    test in this process (or a process it starts) does not look launched."""
+    DeepSpeed engine runs in-process. Afterwards no group is left and neither are the launcher variables
+    ``distributed.init`` set: a later test in this process must see neither (its world size is its environment's)."""
+    import deepspeed
+
     before = {name: os.environ.get(name) for name in LAUNCHER_VARIABLES}
-    if not _world_environment:
-        distributed.init()
-        _world_environment.update((name, os.environ[name]) for name in LAUNCHER_VARIABLES)
-    os.environ.update(_world_environment)
+    distributed.init()
     # Every ZeRO-3 engine built runs a full gc.collect() (deepspeed/runtime/zero/utils.py: defragment), which in a
     # test process walks every object of every module imported so far: about a second each. Those objects are old
     # and stay; frozen, the collector skips them.
@@ -139,6 +136,10 @@ def world_of_one() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+        # DeepSpeed's own teardown, not torch's alone: it also drops the groups DeepSpeed cached, which the next
+        # world_of_one's engines would otherwise find stale ("Group ... is not registered").
+        deepspeed.comm.destroy_process_group()
+        distributed.shutdown()  # the rendezvous folder
         for name, value in before.items():
             if value is None:
                 os.environ.pop(name, None)
