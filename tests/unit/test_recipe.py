@@ -69,7 +69,7 @@ def process_group():
 
 
 class Run:
-    """One ``sagegrpo run`` in-process: its summary, its recipe and what it logged."""
+    """One ``sagegrpo run`` in-process: its config, its summary and the lines it logged."""
 
     def __init__(self, output_dir: Path, *overrides: str, resume: str | None = None):
         self.config: RunConfig = load_run_config(DEMO, [*SMALL, f"run.output_dir={output_dir}", *overrides])
@@ -77,11 +77,12 @@ class Run:
         logged = BufferingHandler(capacity=10_000)
         logger = logging.getLogger("sage_grpo.pipeline.recipe")
         logger.addHandler(logged)
-        level, logger.level = logger.level, logging.INFO
+        level = logger.level
+        logger.setLevel(logging.INFO)
         try:
-            self.recipe = SageGRPORecipe(self.config)
-            self.recipe.setup(resume=resume)
-            self.summary: RunSummary = self.recipe.train()
+            recipe = SageGRPORecipe(self.config)
+            recipe.setup(resume=resume)
+            self.summary: RunSummary = recipe.train()
         finally:
             logger.removeHandler(logged)
             logger.setLevel(level)
