@@ -504,6 +504,12 @@ def _epoch(timestamp: str) -> float:
     return datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
 
 
+def _commands(saved: dict) -> list[str]:
+    """The sittings' commands, each once, then the one that wrote this report if it is another."""
+    commands = [s.get("command") for s in saved.get("sittings", [])] + [saved["command"]]
+    return [command for command in dict.fromkeys(commands) if command]
+
+
 def _sweep_cost(saved: dict) -> str:
     """The sweep's wall time over all its sittings, and the machine and its load."""
     sittings = saved.get("sittings", [])
@@ -531,9 +537,9 @@ def markdown(saved: dict, summary: dict, claims: list[dict], earlier: str, paths
         "",
         f"**Profile: {saved['profile']}**: {len(summary)} arm(s) x {'/'.join(map(str, seeds))} seeds, "
         f"{config['iterations']} iterations each{_iterations_exceptions(summary, config['iterations'])}; "
-        f"{_sweep_cost(saved)}. Command (rerunning it skips the finished runs):",
+        f"{_sweep_cost(saved)}. Commands (rerunning one skips the runs already finished):",
         "",
-        f"    {saved['command']}",
+        *[f"    {command}" for command in _commands(saved)],
         "",
         f"Generated from `{paths['data']}` by `benchmarks/toyworld/report.py` (`compare.py --from-results` "
         f"regenerates it); curves: `{paths['figure']}` (mean ± standard error over seeds; bottom left: the "

@@ -200,7 +200,7 @@ def test_report_writes_tests_headline_and_the_earlier_sweep(tmp_path):
         "command": "python -m benchmarks.toyworld.compare --arms default",
         "sittings": [
             sitting | {"started": "2026-12-05T11:00:00Z", "load_average_at_end": [4.0, 5.0, 5.0]},
-            sitting | {"started": "2026-12-05T12:00:00Z", "load_average_at_end": [2, 2, 2]},
+            sitting | {"started": "2026-12-05T12:00:00Z", "load_average_at_end": [2, 2, 2], "command": "first"},
         ],
         "runs": _fake_sweep(),
     }
@@ -211,6 +211,9 @@ def test_report_writes_tests_headline_and_the_earlier_sweep(tmp_path):
     assert "| claim | verdict | difference ± SE | test | t (df) | p | Holm p |" in text
     assert "wall time **4.0 min** over 2 sitting(s)" in text and "load average 2.0-5.0" in text
     assert "### The learning claim at every evaluation" in text
+    assert (
+        "    first\n    python -m benchmarks.toyworld.compare --arms default\n" in text
+    )  # the sittings', then the report's
     assert "Earlier sweep" in text and "| equalizer off | 3 |" in text and text.endswith("## Other\n")
     assert (tmp_path / "out" / "curves.png").stat().st_size > 0
     saved_back = json.loads((tmp_path / "out" / "results.json").read_text())  # NaN stored as null: valid JSON
