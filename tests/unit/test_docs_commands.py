@@ -168,3 +168,16 @@ def test_every_relative_link_resolves(page):
         if anchor and linked.suffix == ".md":
             headings = re.findall(r"^#+ (.+)$", FENCE.sub("", linked.read_text()), re.MULTILINE)
             assert anchor in {_anchor(heading) for heading in headings}, f"{page.name}: {target}"
+
+
+def test_every_repository_path_the_pages_name_exists():
+    """A file renamed in the code (a module, a test, a config) cannot leave a page pointing at its old name."""
+    roots = {".ci", "benchmarks", "configs", "constraints", "core", "deepspeed_configs", "docs", "examples", "infra"}
+    roots |= {"pipeline", "sage_grpo", "scripts", "stages", "tests"}
+    missing = [
+        f"{page.name}: {token}"
+        for page in PAGES
+        for token in re.findall(r"`([\w./-]+)`", page.read_text())
+        if token.split("/")[0] in roots and "/" in token and not (ROOT / token).exists()
+    ]
+    assert not missing, missing
