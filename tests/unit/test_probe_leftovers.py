@@ -16,6 +16,7 @@ import torch
 from sage_grpo.core.export import export_lora
 from sage_grpo.core.lora import LoraConfig, add_lora
 from sage_grpo.core.models.tiny import tiny_hunyuan15_pipeline
+from sage_grpo.core.storage import CheckpointConfig
 
 pytestmark = pytest.mark.unit
 
@@ -159,6 +160,13 @@ PHASES = {
 def test_a_stop_signal_outside_the_training_loop_exits_retryable(tmp_path, phase, signum):
     patch, argv = PHASES[phase]
     argv = [*argv, f"run.output_dir={tmp_path / 'run'}"]
+    if phase == "export command":  # without a committed checkpoint the export is refused before its slow part
+        staged = tmp_path / "staged"
+        staged.mkdir()
+        (staged / "states.pt").write_bytes(b"weights")
+        CheckpointConfig(uri=str(tmp_path / "run" / "checkpoints")).build().commit(
+            staged, 1, world_size=1, config_hash=""
+        )
     script = (
         "import sys, time\n"
         "def block(self, *args, **kwargs):\n"
