@@ -232,10 +232,10 @@ def package_version() -> str:
 
 
 def env_command() -> int:
-    """Prints the versions and devices a bug report needs."""
+    """Prints the versions, the accelerator stack and the DeepSpeed ops a bug report needs."""
     import platform
 
-    import torch
+    from sage_grpo.core.environment import accelerator_lines, deepspeed_op_lines
 
     lines = [f"sage-grpo     {package_version()}", f"python        {platform.python_version()} ({platform.platform()})"]
     for package in ("torch", "deepspeed", "diffusers", "transformers", "peft", "mlflow", "boto3", "pydantic"):
@@ -243,8 +243,8 @@ def env_command() -> int:
             lines.append(f"{package:<13} {metadata.version(package)}")
         except metadata.PackageNotFoundError:
             lines.append(f"{package:<13} not installed")
-    devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    lines.append(f"cuda          {torch.version.cuda or 'none'}; devices: {', '.join(devices) or 'none (CPU)'}")
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger writes to the stdout it finds at import
+        lines += [*accelerator_lines(), *deepspeed_op_lines()]
     print("\n".join(lines))
     return 0
 

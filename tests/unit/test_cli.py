@@ -85,6 +85,7 @@ def test_env_reports_versions_and_devices(capsys):
     import torch
 
     assert f"torch         {torch.__version__}" in out and "devices:" in out
+    assert "nccl" in out and "op cpu_adam" in out  # the accelerator stack and the ops a bug report needs
 
 
 def test_list_index_overrides_reach_into_lists(capsys):
