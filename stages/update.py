@@ -52,8 +52,8 @@ from sage_grpo.core.grpo import (
     group_advantages,
     stepwise_kl,
 )
-from sage_grpo.core.progress import progress_bar
 from sage_grpo.core.lr_schedules import LRSchedule, lr_multiplier
+from sage_grpo.core.progress import progress_bar
 from sage_grpo.core.trust_region import KLStrategy, TrustRegion
 from sage_grpo.stages.anchor import Anchor
 from sage_grpo.stages.rollout import score_transition

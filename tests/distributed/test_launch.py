@@ -77,12 +77,14 @@ def test_a_stop_signal_reaches_the_workers_and_asks_for_a_restart(tmp_path):
 # A rank ending through core.distributed.exit_launched, as `python -m sage_grpo.pipeline.cli` does after its command.
 EXITING_WORKER = """
 import atexit, logging, sys
+import torch.distributed
 from sage_grpo.core import distributed
 distributed.init()
 out = sys.argv[1]
 logging.basicConfig(filename=f"{out}/log{distributed.rank()}", level=logging.INFO)
 logging.getLogger("worker").info("logged before the end")
 sys.stdout.write(f"rank {distributed.rank()} wrote this without a newline or a flush")
+torch.distributed.barrier()  # neither rank's exit can end the other (torchrun stops the rest) before it has written
 atexit.register(lambda: open(f"{out}/teardown-ran", "w").close())
 sys.exit(distributed.exit_launched(3))
 """

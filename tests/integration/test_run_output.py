@@ -45,7 +45,7 @@ def test_a_redirected_run_logs_one_line_per_iteration_and_prints_only_its_summar
     assert stdout.startswith("sage-grpo: completed after 3 iteration(s)\n"), stdout[:2000]
     assert "DeepSpeed" not in stdout and "WARNING" not in stdout
     assert not BAR.search(stderr), stderr[:2000]
-    assert [int(n) for n in re.findall(r"INFO pipeline\.recipe: iteration (\d+):", stderr)] == [1, 2, 3]
+    assert [int(n) for n in re.findall(r"INFO sage_grpo\.pipeline\.recipe: iteration (\d+):", stderr)] == [1, 2, 3]
 
     tracking_uri = f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}"
     logged = metric_history(tracking_uri, only_run_id(tracking_uri), "update/learning_rate")
