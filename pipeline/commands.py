@@ -58,6 +58,8 @@ def setup_logging(verbosity: int = 0) -> None:
         return
     for noisy in THIRD_PARTY:
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_third_party_info_by_file)
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
@@ -66,6 +68,14 @@ def setup_logging(verbosity: int = 0) -> None:
     modules = "|".join(name.lower() for name in THIRD_PARTY)
     for category in (UserWarning, FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=rf"({modules})(\.|$)")
+
+
+def _third_party_info_by_file(record: logging.LogRecord) -> bool:
+    """False for a library's INFO under a logger named by its file (huggingface_hub names some loggers by
+    ``__file__``, so the level set on ``huggingface_hub`` misses them): one announced each export's staging path."""
+    if record.levelno >= logging.WARNING or os.sep not in record.name:
+        return True
+    return not any(f"{os.sep}{package}{os.sep}" in record.name for package in THIRD_PARTY)
 
 
 def run_command(
