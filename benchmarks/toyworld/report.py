@@ -52,6 +52,7 @@ GROUPS = {
         f"{v} 20 steps shift 5" for v in ("sage", "dance", "flow", "cps")
     ],
     "SDE window": ["default", "window sliding", "window all"],
+    "Advantage normalisation at G = 4": ["G=4 group std", "G=4 global std"],
 }
 PAPER = " 20 steps shift 5"
 
@@ -160,6 +161,12 @@ CLAIMS = [
         "(no claim) a sliding window gains more than the fixed high-noise half",
         "window sliding",
         "default",
+        "reward gain",
+    ),
+    Claim(
+        "(no claim) at G = 4, the all-sample std gains more than the per-group std",
+        "G=4 global std",
+        "G=4 group std",
         "reward gain",
     ),
 ]

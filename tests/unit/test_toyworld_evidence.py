@@ -339,3 +339,17 @@ def test_the_demo_config_takes_a_sliding_window():
 
     config = load_run_config(REPO / "configs" / "demo.yaml", ["sde.window=[0,2]", "sde.window_schedule=sliding"])
     assert config.sde.at_iteration(0).window == (0, 2) and config.sde.at_iteration(1).window == (1, 3)
+
+
+def test_the_advantage_normalisation_arms_differ_and_the_recorded_runs_still_count_as_finished():
+    from benchmarks.toyworld.compare import ARMS, DEFAULT_OUT, Config, experiment, finished
+
+    base = Config()
+    group, everyone = (ARMS[f"G=4 {scope} std"].config(base) for scope in ("group", "global"))
+    assert group.group_size == everyone.group_size == 4
+    assert experiment(group) != experiment(everyone)
+    recorded = {(json.loads(path.read_text())["arm"], path) for path in (DEFAULT_OUT / "runs").glob("*-seed*.json")}
+    assert recorded, "the held-out sweep's runs are committed"
+    for arm, path in recorded:
+        seed = int(path.stem.rsplit("-seed", 1)[1])
+        assert finished(DEFAULT_OUT, arm, ARMS[arm].config(base), seed) is not None, path.name
