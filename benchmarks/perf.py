@@ -25,8 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -35,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.ranks import launch
 from benchmarks.rollout import diffusers_pipeline, median_seconds, ours
 from sage_grpo.core import distributed
 from sage_grpo.core.grpo import group_advantages
@@ -327,20 +326,7 @@ def zero3_memory_ratio() -> tuple[float, dict, dict]:
     per_world = {}
     with tempfile.TemporaryDirectory() as out:
         for world in (1, 2):
-            env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-            command = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                f"--nproc-per-node={world}",
-                "--standalone",  # a rendezvous on a free port torchrun picks itself
-                str(worker),
-                "--out",
-                out,
-            ]
-            result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
-            if result.returncode:
-                raise RuntimeError(f"memory worker failed with {world} ranks:\n{result.stderr[-4000:]}")
+            launch([str(worker), "--out", out], world=world, timeout_s=600)
             reports = [json.loads(Path(out, f"memory_rank{r}_world{world}.json").read_text()) for r in range(world)]
             per_world[world] = max(reports, key=lambda r: sum(r["bytes"].values()))["bytes"]
     return sum(per_world[2].values()) / sum(per_world[1].values()), per_world[1], per_world[2]

@@ -19,15 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.ranks import launch
+
 TRANSFORMER = {
     "num_attention_heads": 4,
     "attention_head_dim": 32,
@@ -116,21 +115,7 @@ def worker(out: Path) -> None:
 
 def measure(size: int, out: str) -> dict:
     """The K = ``size`` run's largest per-rank numbers."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={size}",
-        "--standalone",
-        "-m",
-        "benchmarks.sequence_parallel_memory",
-        "--worker",
-        out,
-    ]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
-    if result.returncode:
-        raise RuntimeError(f"K={size} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+    launch(["-m", "benchmarks.sequence_parallel_memory", "--worker", out], world=size, timeout_s=900)
     reports = [json.loads(Path(out, f"rank{r}_k{size}.json").read_text()) for r in range(size)]
     return {key: max(r[key] for r in reports) if reports[0][key] is not None else None for key in reports[0]}
 
