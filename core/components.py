@@ -59,16 +59,17 @@ def _type_problem(factory: Callable, kwargs: dict[str, Any]) -> str | None:
     "0.5" is too; "abc" and [1] are not); None when each can, or cannot be checked. Only the user's values: what the
     caller supplies (a dtype name it converts) is its own affair."""
     try:
-        parameters = inspect.signature(factory, eval_str=True).parameters
-    except Exception:  # annotations that do not evaluate here (a name imported for type checking only)
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # nothing to check a C callable against
         return None
     for name, value in kwargs.items():
         parameter = parameters.get(name)
         if parameter is None or parameter.annotation is parameter.empty:
             continue
         try:
-            adapter = TypeAdapter(parameter.annotation, config=ConfigDict(arbitrary_types_allowed=True))
-        except Exception:  # a type pydantic cannot check against (or one carrying its own config)
+            annotation = _evaluated(parameter.annotation, factory)
+            adapter = TypeAdapter(annotation, config=ConfigDict(arbitrary_types_allowed=True))
+        except Exception:  # a name imported for type checking only, or a type pydantic cannot check against
             continue
         try:
             adapter.validate_python(value)
@@ -76,6 +77,16 @@ def _type_problem(factory: Callable, kwargs: dict[str, Any]) -> str | None:
             message = error.errors()[0]["msg"]
             return f"{name}: {message}, got a {type(value).__name__}"
     return None
+
+
+def _evaluated(annotation: Any, factory: Callable) -> Any:
+    """A postponed (string) annotation evaluated where it was written, as ``inspect.signature(eval_str=True)`` does,
+    but alone: evaluating all of a signature's annotations would import what the others name (``torch.dtype``, where
+    torch is imported on first use: ``core.lazy``)."""
+    if not isinstance(annotation, str):
+        return annotation
+    function = factory.__init__ if inspect.isclass(factory) else factory
+    return eval(annotation, getattr(inspect.unwrap(function), "__globals__", {}))
 
 
 def check_resolvable(name: str, registry: dict[str, str], kind: str) -> str:

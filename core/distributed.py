@@ -12,12 +12,14 @@ import sys
 import tempfile
 from datetime import timedelta
 
-import torch
-import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 from sage_grpo.core.errors import UserError
 from sage_grpo.core.files import remove_abandoned
+from sage_grpo.core.lazy import lazy_module
+
+torch = lazy_module("torch", globals())
+dist = lazy_module("torch.distributed", globals())
 
 # The folder of a single process's rendezvous file (see ``init``), removed by ``shutdown``.
 _rendezvous: str | None = None

@@ -10,7 +10,9 @@ from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
-import torch
+from sage_grpo.core.lazy import lazy_module
+
+torch = lazy_module("torch", globals())
 
 ADVANTAGE_EPS = 1e-8
 

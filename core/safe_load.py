@@ -49,9 +49,10 @@ from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from sage_grpo.core.errors import UserError
+from sage_grpo.core.lazy import lazy_module
+
+torch = lazy_module("torch", globals())
 
 logger = logging.getLogger(__name__)
 

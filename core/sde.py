@@ -13,7 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
+from sage_grpo.core.lazy import lazy_module
+
+torch = lazy_module("torch", globals())
 
 VARIANTS = ("dance", "flow", "cps", "sage")
 

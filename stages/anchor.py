@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-import torch
+from sage_grpo.core.lazy import lazy_module, no_grad
+
+torch = lazy_module("torch", globals())
 
 
 def _is_zero3(param: torch.nn.Parameter) -> bool:
@@ -73,20 +75,20 @@ class Anchor:
             return view.detach().to("cpu", dtype=dtype, copy=True).pin_memory()
         return view.detach().to(dtype=dtype, copy=True)
 
-    @torch.no_grad()
+    @no_grad
     def blend(self, decay: float) -> None:
         """One EMA step toward the policy's current local values: saved = decay x saved + (1 - decay) x policy."""
         self._synchronize()
         for param, saved in zip(self.params, self._saved):
             saved.lerp_(_holder(param).data.to(saved.device, saved.dtype), 1.0 - decay)
 
-    @torch.no_grad()
+    @no_grad
     def refresh(self) -> None:
         """Copy the policy's current local values into the anchor (no communication)."""
         self._copy_policy_into(self._saved)
         self.refreshes += 1
 
-    @torch.no_grad()
+    @no_grad
     def stage(self) -> None:
         """Copy the policy's current local values into the staging buffer (allocated once, like the saved one)."""
         if self._staged is None:
@@ -110,7 +112,7 @@ class Anchor:
         if self.offload and torch.cuda.is_available() and any(p.device.type == "cuda" for p in self.params):
             torch.cuda.synchronize()
 
-    @torch.no_grad()
+    @no_grad
     def _swap(self) -> None:
         _release_gathered(self.params)
         for i, param in enumerate(self.params):
@@ -122,7 +124,7 @@ class Anchor:
             else:  # exchange the storages, no copy; the swap back restores the optimizer's views exactly
                 holder.data, self._saved[i] = self._saved[i], holder.data
 
-    @torch.no_grad()
+    @no_grad
     def _copy_in(self) -> list[torch.Tensor]:
         """The saved values copied into the policy (cast to its precision); returns the policy's own values."""
         kept = []
@@ -132,7 +134,7 @@ class Anchor:
             _holder(param).data.copy_(saved)
         return kept
 
-    @torch.no_grad()
+    @no_grad
     def _restore(self, kept: list[torch.Tensor]) -> None:
         _release_gathered(self.params)
         for param, values in zip(self.params, kept):
@@ -164,7 +166,7 @@ class Anchor:
         self._synchronize()
         return {"refreshes": self.refreshes, "values": [saved.cpu() for saved in self._saved]}
 
-    @torch.no_grad()
+    @no_grad
     def load_state_dict(self, state: dict) -> None:
         if len(state["values"]) != len(self._saved):
             raise ValueError("anchor checkpoint does not match the trainable parameters")
@@ -174,7 +176,7 @@ class Anchor:
             saved.copy_(value)
         self.refreshes = int(state["refreshes"])
 
-    @torch.no_grad()
+    @no_grad
     def load_resharded_state_dict(self, states: list[dict], rank: int, world: int) -> None:
         """Load the shards every rank of a run on another number of ranks saved (``states``, in rank order) as this
         rank's shards of ``world``. Without ZeRO-3 every rank holds whole values: rank 0's are everyone's."""

@@ -9,12 +9,14 @@ import json
 from pathlib import Path
 from typing import Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sage_grpo.core import distributed, flops
 from sage_grpo.core.errors import UserError
+from sage_grpo.core.lazy import lazy_module
 from sage_grpo.stages.update import UpdateConfig
+
+torch = lazy_module("torch", globals())
 
 # Beside the packages in a checkout and in an installed wheel, which ships it as package data (pyproject.toml).
 DEEPSPEED_CONFIGS = Path(__file__).resolve().parent.parent / "deepspeed_configs"

@@ -23,14 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from sage_grpo.core import distributed, plotting
+from sage_grpo.core.lazy import lazy_module
 from sage_grpo.core.rewards.base import VideoBatch
 from sage_grpo.core.rewards.registry import RewardSpec
 from sage_grpo.stages.rollout import SDEConfig, generate
 from sage_grpo.stages.score import Scorer
+
+torch = lazy_module("torch", globals())
 
 
 class EvalConfig(BaseModel):

@@ -29,15 +29,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from sage_grpo.core.errors import UserError
 from sage_grpo.core.files import atomic_path
+from sage_grpo.core.lazy import lazy_module
 from sage_grpo.core.models.base import PromptEmbeddings
 from sage_grpo.core.s3 import S3Config
+
+torch = lazy_module("torch", globals())
 
 log = logging.getLogger(__name__)
 
@@ -360,6 +361,8 @@ class EmbeddingCache:
         return directory
 
     def _load(self, path: Path) -> dict[str, torch.Tensor] | None:
+        from safetensors.torch import load_file
+
         if not path.exists():
             return None
         try:
@@ -387,6 +390,8 @@ def _row_file(directory: Path, prompt: str) -> Path:
 
 
 def _save_atomically(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
     with atomic_path(path) as temporary:
         save_file(tensors, temporary)
 

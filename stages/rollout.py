@@ -27,9 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from sage_grpo.core.lazy import lazy_module, no_grad
 from sage_grpo.core.models.base import PromptEmbeddings, VideoModelAdapter
 from sage_grpo.core.progress import progress_bar
 from sage_grpo.core.sde import (
@@ -42,6 +42,8 @@ from sage_grpo.core.sde import (
     sde_step,
     sliding_window,
 )
+
+torch = lazy_module("torch", globals())
 
 
 class RolloutConfig(BaseModel):
@@ -197,7 +199,7 @@ def sample_seed(seed: int, group_id: int, member: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-@torch.no_grad()
+@no_grad
 def generate(
     adapter: VideoModelAdapter,
     prompts: list[str],

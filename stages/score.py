@@ -30,11 +30,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from sage_grpo.core import distributed
 from sage_grpo.core.errors import UserError
+from sage_grpo.core.lazy import lazy_module
 from sage_grpo.core.rewards import RewardSpec, RewardUnavailable, Scores, VideoBatch, build_reward, check_scores
 from sage_grpo.core.rewards.base import (
     Columns,
@@ -44,6 +44,8 @@ from sage_grpo.core.rewards.base import (
     slice_columns,
     weighted_total,
 )
+
+torch = lazy_module("torch", globals())
 
 logger = logging.getLogger(__name__)
 

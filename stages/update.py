@@ -37,7 +37,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sage_grpo.core import distributed, flops, sde
@@ -52,11 +51,14 @@ from sage_grpo.core.grpo import (
     group_advantages,
     stepwise_kl,
 )
+from sage_grpo.core.lazy import lazy_module
 from sage_grpo.core.lr_schedules import LRSchedule, lr_multiplier
 from sage_grpo.core.progress import progress_bar
 from sage_grpo.core.trust_region import KLStrategy, TrustRegion
 from sage_grpo.stages.anchor import Anchor
 from sage_grpo.stages.rollout import score_transition
+
+torch = lazy_module("torch", globals())
 
 logger = logging.getLogger(__name__)
 

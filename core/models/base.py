@@ -9,9 +9,11 @@ from typing import Any
 from unittest import mock
 
 import numpy as np
-import torch
 
 from sage_grpo.core.errors import UserError
+from sage_grpo.core.lazy import lazy_module
+
+torch = lazy_module("torch", globals())
 
 
 @dataclass

@@ -19,9 +19,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-import torch
+from sage_grpo.core.lazy import lazy_module
 
 from ..errors import UserError
+
+torch = lazy_module("torch", globals())
 
 Scores = dict[str, list[float | None]]
 

@@ -9,11 +9,13 @@ the mean of its frames' scores, each frame compared with the prompt.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from sage_grpo.core.lazy import lazy_module, no_grad
 
 from .base import Scores, VideoBatch
 from .frames import uniform_frame_indices
+
+torch = lazy_module("torch", globals())
+F = lazy_module("torch.nn.functional", globals())
 
 CLIPSCORE_WEIGHT = 2.5
 DEFAULT_FRAMES = 8
@@ -39,7 +41,7 @@ class CLIPSimilarity:
     def device(self) -> torch.device:
         return self.model.logit_scale.device
 
-    @torch.no_grad()
+    @no_grad
     def __call__(self, videos: VideoBatch, prompts: list[str]) -> Scores:
         text_embeddings = self._text_embeddings(prompts)
         scores = []

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 
-import torch
-import torch.nn.functional as F
+from sage_grpo.core.lazy import lazy_module
+
+torch = lazy_module("torch", globals())
+F = lazy_module("torch.nn.functional", globals())
 
 FRAME_FACTOR = 2  # Qwen2-VL's temporal patch: frames are consumed in pairs
 MIN_SAMPLED_FRAMES = 4

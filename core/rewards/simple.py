@@ -6,9 +6,11 @@ updates) and as sanity signals next to learned rewards; none of them judges prom
 
 from __future__ import annotations
 
-import torch
+from sage_grpo.core.lazy import lazy_module
 
 from .base import Scores, VideoBatch
+
+torch = lazy_module("torch", globals())
 
 # ITU-R BT.601 luma weights: perceived brightness of an RGB pixel.
 LUMA_WEIGHTS = (0.299, 0.587, 0.114)
