@@ -89,8 +89,6 @@ def sequence_layout(config: ModelConfig) -> tuple[int, int] | None:
 
 def _layout_configs(config: ModelConfig) -> tuple[dict, tuple[int, int]] | None:
     """The transformer's config and the VAE's (spatial, temporal) compression of a registered model."""
-    from diffusers import HunyuanVideo15Transformer3DModel
-
     from . import tiny
 
     if config.name == "tiny-hunyuan15":
@@ -101,7 +99,10 @@ def _layout_configs(config: ModelConfig) -> tuple[dict, tuple[int, int]] | None:
     on_disk = Path(config.pretrained or "")
     transformer, vae = (on_disk / part / "config.json" for part in ("transformer", "vae"))
     if config.name == "hunyuan15":
-        # Not on disk: diffusers' defaults, which are the released checkpoints' transformer (16 heads, patch 1).
+        # Not on disk: diffusers' defaults, which are the released checkpoints' transformer (16 heads, patch 1). The
+        # one config check that imports diffusers (and torch), and only with sequence parallelism on.
+        from diffusers import HunyuanVideo15Transformer3DModel
+
         defaults = inspect.signature(HunyuanVideo15Transformer3DModel).parameters
         found = json.loads(transformer.read_text()) if transformer.is_file() else {}
         found = {k: p.default for k, p in defaults.items()} | found

@@ -8,15 +8,17 @@ transformer call (the pipeline makes two), which is faster and does not change t
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
-from diffusers.guiders.guider_utils import rescale_noise_cfg
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
-from diffusers.models.attention_dispatch import dispatch_attention_fn
-from diffusers.models.embeddings import apply_rotary_emb
+from typing import TYPE_CHECKING
+
+from sage_grpo.core.lazy import lazy_module, no_grad
 
 from .base import DiffusersAdapter, PromptEmbeddings, frames_to_uint8
+
+if TYPE_CHECKING:
+    from diffusers import HunyuanVideo15Pipeline
+
+torch = lazy_module("torch", globals())
+F = lazy_module("torch.nn.functional", globals())
 
 # Keyword names of HunyuanVideo15Transformer3DModel.forward, which are also the keys of our PromptEmbeddings.
 _TEXT_INPUTS = (
@@ -25,23 +27,6 @@ _TEXT_INPUTS = (
     "encoder_hidden_states_2",
     "encoder_attention_mask_2",
 )
-
-
-# Where diffusers' context parallelism splits HunyuanVideo 1.5's tokens (diffusers 0.42 ships no ``_cp_plan`` for it):
-# the dual-stream blocks attend over [video tokens, text tokens] jointly, so both streams are split K ways at the first
-# block (with the text's padding mask), RoPE's per-video-token tables alike; the output projection gathers the video.
-_CP_PLAN = {
-    "rope": {
-        0: ContextParallelInput(split_dim=0, expected_dims=2, split_output=True),
-        1: ContextParallelInput(split_dim=0, expected_dims=2, split_output=True),
-    },
-    "transformer_blocks.0": {
-        "hidden_states": ContextParallelInput(split_dim=1, expected_dims=3),
-        "encoder_hidden_states": ContextParallelInput(split_dim=1, expected_dims=3),
-        "attention_mask": ContextParallelInput(split_dim=1, expected_dims=2),
-    },
-    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
-}
 
 
 class UlyssesAttnProcessor:
@@ -54,6 +39,9 @@ class UlyssesAttnProcessor:
     _parallel_config = None
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.embeddings import apply_rotary_emb
+
         query, key, value = (_heads(attn, proj(hidden_states)) for proj in (attn.to_q, attn.to_k, attn.to_v))
         query, key = attn.norm_q(query), attn.norm_k(key)
         query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
@@ -103,6 +91,8 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
         negative_prompt: str = "",
         identity: str | None = None,
     ):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
         guider = pipeline.guider
         if guider.config.start != 0.0 or guider.config.stop != 1.0:
             raise ValueError("CFG limited to a range of steps (guider start/stop) is not supported")
@@ -133,13 +123,16 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
         cls,
         path_or_hub_id: str,
         *,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | None = None,  # None: bfloat16
         device: str | torch.device = "cuda",
         guidance_scale: float | None = None,
         vae_tiling: bool = True,
         **kwargs,
     ) -> HunyuanVideo15Adapter:
         """Load a diffusers-format checkpoint, e.g. ``hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v``."""
+        from diffusers import HunyuanVideo15Pipeline
+
+        dtype = torch.bfloat16 if dtype is None else dtype
         pipeline = HunyuanVideo15Pipeline.from_pretrained(path_or_hub_id, torch_dtype=dtype).to(device)
         if vae_tiling:
             # Decoding 81 frames at 480p in one piece needs tens of GB of activations.
@@ -154,7 +147,24 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
         return config.patch_size_t, config.patch_size, config.patch_size
 
     def context_parallel_plan(self) -> dict:
-        return _CP_PLAN
+        """Where diffusers' context parallelism splits HunyuanVideo 1.5's tokens (diffusers 0.42 ships no ``_cp_plan``
+        for it): the dual-stream blocks attend over [video tokens, text tokens] jointly, so both streams are split K
+        ways at the first block (with the text's padding mask), RoPE's per-video-token tables alike; the output
+        projection gathers the video."""
+        from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+        return {
+            "rope": {
+                0: ContextParallelInput(split_dim=0, expected_dims=2, split_output=True),
+                1: ContextParallelInput(split_dim=0, expected_dims=2, split_output=True),
+            },
+            "transformer_blocks.0": {
+                "hidden_states": ContextParallelInput(split_dim=1, expected_dims=3),
+                "encoder_hidden_states": ContextParallelInput(split_dim=1, expected_dims=3),
+                "attention_mask": ContextParallelInput(split_dim=1, expected_dims=2),
+            },
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+        }
 
     def enable_sequence_parallel(self, mesh) -> None:
         for block in self.pipeline.transformer.transformer_blocks:  # the text refiner's attention runs unsplit
@@ -162,7 +172,7 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
         super().enable_sequence_parallel(mesh)
         self.sequence_parallel_size = mesh["ulysses"].size()
 
-    @torch.no_grad()
+    @no_grad
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeddings:
         positive = self._encode(prompts)
         negative = None
@@ -235,6 +245,8 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
 
     def _guide(self, cond: torch.Tensor, uncond: torch.Tensor | None = None) -> torch.Tensor:
         """ClassifierFreeGuidance.forward, in float32 (bf16 cannot resolve GRPO's 1e-4 policy ratios)."""
+        from diffusers.guiders.guider_utils import rescale_noise_cfg
+
         guider = self.pipeline.guider
         if uncond is None:
             guided = cond
@@ -245,7 +257,7 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
             guided = rescale_noise_cfg(guided, cond, guider.guidance_rescale)
         return guided
 
-    @torch.no_grad()
+    @no_grad
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipeline.vae
         latents = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor

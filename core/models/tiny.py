@@ -7,33 +7,20 @@ transformer call takes a few milliseconds on a CPU.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from diffusers import (
-    AutoencoderKLHunyuanVideo15,
-    AutoencoderKLWan,
-    FlowMatchEulerDiscreteScheduler,
-    HunyuanVideo15Pipeline,
-    HunyuanVideo15Transformer3DModel,
-    WanPipeline,
-    WanTransformer3DModel,
-)
-from diffusers.guiders import ClassifierFreeGuidance
 from tokenizers import pre_tokenizers
-from transformers import (
-    ByT5Tokenizer,
-    Qwen2_5_VLTextConfig,
-    Qwen2_5_VLTextModel,
-    Qwen2Tokenizer,
-    T5Config,
-    T5EncoderModel,
-    UMT5Config,
-    UMT5EncoderModel,
-)
+
+from sage_grpo.core.lazy import lazy_module
 
 from .hunyuan15 import HunyuanVideo15Adapter
 from .wan import WanAdapter
+
+if TYPE_CHECKING:
+    from diffusers import HunyuanVideo15Pipeline, WanPipeline
+    from transformers import Qwen2Tokenizer
+
+torch = lazy_module("torch", globals())
 
 # Qwen2's chat template, text-only: what HunyuanVideo 1.5's prompt template is applied through.
 _QWEN_CHAT_TEMPLATE = (
@@ -80,6 +67,8 @@ TINY_WAN_VAE = {"scale_factor_spatial": 8, "scale_factor_temporal": 4}
 
 def tiny_qwen2_tokenizer() -> Qwen2Tokenizer:
     """A byte-level Qwen2 tokenizer without merges: one token per byte, plus the chat special tokens."""
+    from transformers import Qwen2Tokenizer
+
     vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
     for byte_char in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[byte_char] = len(vocab)
@@ -101,6 +90,15 @@ def tiny_hunyuan15_pipeline(
     ``transformer`` overrides entries of the transformer's config, by diffusers' names (``num_attention_heads``,
     ``attention_head_dim``, ``num_layers``, ``mlp_ratio``, ``rope_axes_dim`` summing to the head dim): a transformer
     as wide and deep as a benchmark needs, between the same cheap encoders and VAE."""
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
+    )
+    from diffusers.guiders import ClassifierFreeGuidance
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
     torch.manual_seed(seed)
     config = TINY_HUNYUAN15_TRANSFORMER | (transformer or {})
     config["rope_axes_dim"] = tuple(config["rope_axes_dim"])  # a YAML list
@@ -164,12 +162,13 @@ def tiny_hunyuan15(
     height: int = 32,
     width: int = 32,
     num_frames: int = 5,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,  # None: float32
     device: str | torch.device = "cpu",
     transformer: dict[str, Any] | None = None,
 ) -> HunyuanVideo15Adapter:
     """Tiny HunyuanVideo 1.5: latents [4, 3, 8, 8], videos of 5 frames at 32x32 by default; ``transformer``
     overrides the transformer's config (``tiny_hunyuan15_pipeline``)."""
+    dtype = torch.float32 if dtype is None else dtype
     pipeline = tiny_hunyuan15_pipeline(seed, transformer=transformer).to(device=device, dtype=dtype)
     return HunyuanVideo15Adapter(
         pipeline,
@@ -183,6 +182,9 @@ def tiny_hunyuan15(
 
 def tiny_wan_pipeline(seed: int = 0) -> WanPipeline:
     """WanPipeline (Wan 2.1 layout) with toy components and a byte-level T5 tokenizer."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
+
     torch.manual_seed(seed)
     transformer = WanTransformer3DModel(**TINY_WAN_TRANSFORMER)
     vae = AutoencoderKLWan(
@@ -209,10 +211,11 @@ def tiny_wan(
     height: int = 64,
     width: int = 64,
     num_frames: int = 9,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,  # None: float32
     device: str | torch.device = "cpu",
 ) -> WanAdapter:
     """Tiny Wan: latents [16, 3, 8, 8], videos of 9 frames at 64x64 by default."""
+    dtype = torch.float32 if dtype is None else dtype
     pipeline = tiny_wan_pipeline(seed).to(device=device, dtype=dtype)
     return WanAdapter(
         pipeline,

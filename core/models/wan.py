@@ -6,10 +6,16 @@ two policies, one per noise range, which the rest of the pipeline does not model
 
 from __future__ import annotations
 
-import torch
-from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
+from typing import TYPE_CHECKING
+
+from sage_grpo.core.lazy import lazy_module, no_grad
 
 from .base import DiffusersAdapter, PromptEmbeddings, frames_to_uint8
+
+if TYPE_CHECKING:
+    from diffusers import WanPipeline
+
+torch = lazy_module("torch", globals())
 
 
 class WanAdapter(DiffusersAdapter):
@@ -28,6 +34,8 @@ class WanAdapter(DiffusersAdapter):
         fps: int = 16,
         identity: str | None = None,
     ):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
         if pipeline.transformer_2 is not None:
             raise ValueError("two-expert Wan 2.2 (transformer_2) is not supported; use Wan 2.1 or Wan 2.2 TI2V-5B")
         source = identity or pipeline.config.get("_name_or_path")
@@ -50,12 +58,15 @@ class WanAdapter(DiffusersAdapter):
         cls,
         path_or_hub_id: str,
         *,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | None = None,  # None: bfloat16
         device: str | torch.device = "cuda",
         guidance_scale: float = 5.0,
         **kwargs,
     ) -> WanAdapter:
         """Load a diffusers-format checkpoint, e.g. ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``."""
+        from diffusers import AutoencoderKLWan, WanPipeline
+
+        dtype = torch.bfloat16 if dtype is None else dtype
         # Wan's VAE is meant to run in float32 (its model card's recommendation); everything else in ``dtype``.
         vae = AutoencoderKLWan.from_pretrained(path_or_hub_id, subfolder="vae", torch_dtype=torch.float32)
         pipeline = WanPipeline.from_pretrained(path_or_hub_id, vae=vae, torch_dtype=dtype).to(device)
@@ -71,7 +82,7 @@ class WanAdapter(DiffusersAdapter):
     def patch_size(self) -> tuple[int, int, int]:
         return tuple(self.pipeline.transformer.config.patch_size)
 
-    @torch.no_grad()
+    @no_grad
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeddings:
         positive, _ = self._encode(prompts)
         negative = None
@@ -127,7 +138,7 @@ class WanAdapter(DiffusersAdapter):
         tokens = (frames // p_t) * (height // p_h) * (width // p_w)
         return t[:, None].expand(-1, tokens)
 
-    @torch.no_grad()
+    @no_grad
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipeline.vae
         latents = latents.to(vae.device, vae.dtype)
