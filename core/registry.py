@@ -65,12 +65,12 @@ from mlflow.models import Model, ModelSignature
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.pyfunc import PythonModel
 from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
-from pydantic import BaseModel, ConfigDict, Field
 
 import sage_grpo
 from sage_grpo.core.errors import RetryableStop, UserError, first_line
 from sage_grpo.core.export import LORA_WEIGHT_NAME, read_export_manifest
 from sage_grpo.core.files import file_sha256
+from sage_grpo.core.registry_config import DEFAULT_MIN_EVAL_PROMPTS, DEFAULT_PRIMARY_METRIC
 from sage_grpo.core.secrets import MASK, mask_uri
 from sage_grpo.core.storage import load_tensors
 from sage_grpo.core.tracking import is_outage
@@ -85,26 +85,8 @@ METRIC_TAG_PREFIX = "metric."
 EVAL_SET_DIGEST_TAG = "eval_set.digest"
 EVAL_SET_SIZE_TAG = "eval_set.size"
 EVAL_SET_SOURCE_TAG = "eval_set.source"
-DEFAULT_MIN_EVAL_PROMPTS = 8
 MODEL_MANIFEST = "sha256sums.json"
 TINY_BASE_MODEL = "tiny-hunyuan15"
-DEFAULT_PRIMARY_METRIC = "eval/reward"  # what stages/evaluate.py logs for the training rewards
-
-
-class RegistryConfig(BaseModel):
-    """The ``registry`` section, publishing at the end of a run: export, register as the ``challenger``, then the
-    promotion gate."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    model_name: str | None = None  # None: do not register
-    base_model: str | None = None  # what the pyfunc loads the export onto; default: model.pretrained/name
-    promote: bool = False  # run the gate after registering
-    primary_metric: str = DEFAULT_PRIMARY_METRIC
-    margin: float = Field(0.0, ge=0)
-    guards: dict[str, float] = Field(default_factory=dict)  # metric -> largest allowed drop
-    # Fewer prompts than this and the gate refuses: a mean over a handful of videos is mostly seed noise.
-    min_eval_prompts: int = Field(DEFAULT_MIN_EVAL_PROMPTS, ge=1)
 
 
 @dataclass(frozen=True)

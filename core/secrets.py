@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from sage_grpo.core.errors import UserError
 
 MASK = "***"
@@ -82,6 +84,13 @@ def mask_tree(node: Any, prefix: str = "") -> Any:
     if node is None or isinstance(node, (bool, int, float)):
         return MASK if is_secret_key(prefix.rstrip(".")) and node is not None else node
     return mask_value(prefix.rstrip("."), str(node))
+
+
+def masked_config(config: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
+    """The resolved config, nested as in YAML, masked as :func:`mask_tree` does (and so as the MLflow params): safe
+    to save as an artifact or print."""
+    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
+    return mask_tree(data)
 
 
 def remember(node: Any, prefix: str = "") -> None:

@@ -37,24 +37,22 @@ from typing import Any
 import requests
 from mlflow import MlflowClient
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
-from mlflow.environment_variables import MLFLOW_EXPERIMENT_NAME, MLFLOW_TRACKING_URI
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
-from mlflow.tracking._tracking_service.utils import _tracking_store_registry
 from mlflow.tracking.context.registry import resolve_tags
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_COMMIT, MLFLOW_GIT_DIRTY
 from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH, _validate_metric_name
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel
 
 from sage_grpo.core import distributed
 from sage_grpo.core.files import atomic_write_text
-from sage_grpo.core.secrets import mask_tree, mask_uri, mask_value
+from sage_grpo.core.secrets import mask_uri, mask_value
+from sage_grpo.core.tracking_config import TrackingConfig
 
 log = logging.getLogger(__name__)
 
 BUFFER_FILE = "mlflow-buffer.jsonl"
 _METRIC_FIELDS = ("key", "value", "timestamp", "step")  # a buffered row's metric; the rest says whose it is
-DEFAULT_EXPERIMENT = "sage-grpo"
 MAX_TAG_LENGTH = 5000  # what most stores accept
 # Set only where the operator has not: a failed request fails in seconds, and we retry from the buffer instead.
 FAIL_FAST_HTTP = {
@@ -70,45 +68,6 @@ def fail_fast_http() -> None:
         os.environ.setdefault(name, value)
 
 
-class TrackingConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    enabled: bool = True
-    # None: MLFLOW_TRACKING_URI, else the embedded store, sqlite:///<run_dir>/mlflow.db with artifacts in
-    # <run_dir>/mlflow-artifacts.
-    tracking_uri: str | None = None
-    experiment: str | None = None  # None: MLFLOW_EXPERIMENT_NAME, else "sage-grpo"
-    run_name: str | None = None
-    retry_interval_s: float = Field(60.0, ge=0)  # during an outage, how often to try the server again
-    # MLflow's system-metrics monitor (system/cpu_utilization_percentage, system/gpu_0_memory_usage_megabytes...)
-    system_metrics: bool = True
-    system_metrics_interval_s: float = Field(10.0, gt=0)
-
-    # The same order in every command (run, promote, schedule): the config, then MLflow's own environment variables,
-    # then the local default, so a job's environment can point it at a server without editing its config.
-    def server_uri(self) -> str | None:
-        """The tracking server the config or ``MLFLOW_TRACKING_URI`` names; None: the run's embedded store."""
-        return self.tracking_uri or MLFLOW_TRACKING_URI.get() or None
-
-    def resolved_uri(self, run_dir: str | Path) -> str:
-        return self.server_uri() or f"sqlite:///{(Path(run_dir) / 'mlflow.db').resolve()}"
-
-    def experiment_name(self) -> str:
-        return self.experiment or MLFLOW_EXPERIMENT_NAME.get() or DEFAULT_EXPERIMENT
-
-    @field_validator("tracking_uri")
-    @classmethod
-    def _store_mlflow_opens(cls, uri: str | None) -> str | None:
-        # MLflow's own scheme table: an ftp:// or s3:// URI would otherwise pass here and end the run in a traceback.
-        try:
-            _tracking_store_registry.get_store_builder(uri or "")
-        except MlflowException:
-            raise ValueError(
-                f"{mask_uri(uri)!r} is not a tracking store MLflow opens (http(s), sqlite, file, ...)"
-            ) from None
-        return uri
-
-
 # --- Params: the resolved config, flattened and masked ---------------------------------------------------------
 
 
@@ -119,12 +78,6 @@ def loggable_params(config: BaseModel | Mapping[str, Any]) -> dict[str, str]:
     """
     data = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
     return {key: mask_value(key, _as_text(value)) for key, value in _flatten(data, prefix="").items()}
-
-
-def masked_config(config: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
-    """The resolved config, nested as in YAML, with the same masking as the params: safe to save as an artifact."""
-    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
-    return mask_tree(data)
 
 
 def _flatten(node: Any, prefix: str) -> dict[str, Any]:

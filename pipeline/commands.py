@@ -227,7 +227,7 @@ def config_command(config_path: str, overrides: list[str], as_json: bool = False
     """Prints the resolved, validated config (defaults filled, secrets masked) as YAML, or as JSON for scripts."""
     import yaml
 
-    from sage_grpo.core.tracking import masked_config
+    from sage_grpo.core.secrets import masked_config
 
     resolved = masked_config(_load_config(config_path, overrides))
     print(json.dumps(resolved, indent=2) if as_json else yaml.safe_dump(resolved, sort_keys=False).rstrip("\n"))

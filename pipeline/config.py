@@ -16,11 +16,11 @@ from sage_grpo.core.distributed import ParallelConfig
 from sage_grpo.core.lora import LoraConfig
 from sage_grpo.core.models import ModelConfig, sequence_layout
 from sage_grpo.core.models.base import check_sequence_split
-from sage_grpo.core.registry import RegistryConfig
+from sage_grpo.core.registry_config import RegistryConfig
 from sage_grpo.core.rewards.registry import RewardSpec
 from sage_grpo.core.s3 import S3Config
 from sage_grpo.core.storage import CheckpointConfig
-from sage_grpo.core.tracking import TrackingConfig
+from sage_grpo.core.tracking_config import TrackingConfig
 from sage_grpo.stages.engine import DeepSpeedConfig, check_optimizer_fits, deepspeed_config
 from sage_grpo.stages.evaluate import EvalConfig
 from sage_grpo.stages.ingest import DataConfig

@@ -31,7 +31,8 @@ from sage_grpo.core.files import atomic_write_text, make_writable_folder, remove
 from sage_grpo.core.lora import add_lora
 from sage_grpo.core.models import build_adapter
 from sage_grpo.core.progress import progress_bar
-from sage_grpo.core.tracking import Tracker, masked_config
+from sage_grpo.core.secrets import masked_config
+from sage_grpo.core.tracking import Tracker
 from sage_grpo.pipeline import report
 from sage_grpo.pipeline.checkpointer import Checkpointer, RNGState
 from sage_grpo.pipeline.config import RunConfig

@@ -9,7 +9,8 @@ import matplotlib
 import pytest
 from mlflow import MlflowClient
 
-from sage_grpo.core.tracking import BUFFER_FILE, Tracker, TrackingConfig, masked_config, metric_name_problem
+from sage_grpo.core.secrets import masked_config
+from sage_grpo.core.tracking import BUFFER_FILE, Tracker, TrackingConfig, metric_name_problem
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 (after choosing the headless backend)

@@ -103,7 +103,7 @@ def test_missing_config_file_is_a_user_error(tmp_path):
 
 
 def test_the_saved_config_masks_secrets_but_keeps_the_rest():
-    from sage_grpo.core.tracking import masked_config
+    from sage_grpo.core.secrets import masked_config
 
     config = load_run_config(
         REPO / "configs" / "demo.yaml",

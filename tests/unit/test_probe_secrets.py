@@ -16,8 +16,8 @@ import pytest
 from sage_grpo.core import secrets
 from sage_grpo.core.export import export_full, model_record
 from sage_grpo.core.registry import VideoPolicyModel
-from sage_grpo.core.secrets import MASK, is_secret_key, mask_process_output, mask_uri
-from sage_grpo.core.tracking import loggable_params, masked_config
+from sage_grpo.core.secrets import MASK, is_secret_key, mask_process_output, mask_uri, masked_config
+from sage_grpo.core.tracking import loggable_params
 from sage_grpo.pipeline import cli
 from sage_grpo.pipeline.config import load_run_config
 from tests.helpers import free_port, sagegrpo
