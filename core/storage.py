@@ -54,16 +54,10 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 from urllib.parse import unquote, urlparse
 
-import torch
-from boto3.s3.transfer import TransferConfig, create_transfer_manager
-from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError
-from botocore.exceptions import ConnectionError as BotoConnectionError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from s3transfer.exceptions import RetriesExceededError
-from safetensors.torch import load_file
 
 from sage_grpo.core.errors import StoreUnavailable, UserError
 from sage_grpo.core.files import (
@@ -75,9 +69,19 @@ from sage_grpo.core.files import (
     move_into_place,
     sha256_and_size,
 )
+from sage_grpo.core.lazy import lazy_module
 from sage_grpo.core.s3 import S3Config
 from sage_grpo.core.safe_load import refusal_reason
 from sage_grpo.core.secrets import mask_uri
+
+if TYPE_CHECKING:
+    from boto3.s3.transfer import TransferConfig
+
+torch = lazy_module("torch", globals())
+# Needed by S3 stores only: a local store, and reading a config, do without boto3's import.
+s3_transfer = lazy_module("boto3.s3.transfer", globals())
+botocore_errors = lazy_module("botocore.exceptions", globals())
+s3transfer_errors = lazy_module("s3transfer.exceptions", globals())
 
 logger = logging.getLogger(__name__)
 
@@ -90,10 +94,6 @@ MiB = 1024 * 1024
 _STEP_NAME = re.compile(r"step-(0|[1-9][0-9]*)")
 # S3's rules for new bucket names; also keeps userinfo ("key:secret@bucket") out of a bucket name.
 _BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-# What a remote store can raise; each is translated to StoreUnavailable or StorageError before it leaves the store.
-_REMOTE_ERRORS = (BotoCoreError, ClientError, RetriesExceededError)
-# What a failed delete can raise; pruning logs these instead of stopping a training run.
-_STORAGE_ERRORS = (OSError, *_REMOTE_ERRORS)
 # Answers that mean "not now" rather than "no": retrying (or restarting the run later) can succeed.
 _OUTAGE_CODES = {
     "NoSuchBucket",
@@ -107,6 +107,13 @@ _OUTAGE_CODES = {
 }
 _RETRY_FIRST_DELAY_S = 1.0
 _RETRY_MAX_DELAY_S = 30.0
+
+
+def _remote_errors() -> tuple[type[Exception], ...]:
+    """What a remote store can raise; each is translated to StoreUnavailable or StorageError before it leaves the
+    store."""
+    return botocore_errors.BotoCoreError, botocore_errors.ClientError, s3transfer_errors.RetriesExceededError
+
 
 T = TypeVar("T")
 
@@ -222,7 +229,7 @@ class CheckpointConfig(BaseModel):
         return CheckpointStore(backend, outage_retry_s=self.outage_retry_s)
 
     def _transfer_config(self) -> TransferConfig:
-        return TransferConfig(
+        return s3_transfer.TransferConfig(
             multipart_threshold=self.multipart_threshold_bytes,
             multipart_chunksize=self.multipart_chunksize_bytes,
             max_concurrency=self.max_concurrency,
@@ -392,7 +399,7 @@ class S3Backend:
     def read_bytes(self, key: str) -> bytes | None:
         try:
             return self._client.get_object(Bucket=self._bucket, Key=self._key(key))["Body"].read()
-        except ClientError as error:
+        except botocore_errors.ClientError as error:
             if error.response["Error"]["Code"] in ("NoSuchKey", "404", "NotFound"):
                 return None
             raise
@@ -401,13 +408,13 @@ class S3Backend:
         self._client.put_object(Bucket=self._bucket, Key=self._key(key), Body=data)
 
     def upload_files(self, files: Sequence[tuple[Path, str]]) -> None:
-        with create_transfer_manager(self._client, self._transfer_config) as manager:
+        with s3_transfer.create_transfer_manager(self._client, self._transfer_config) as manager:
             futures = [manager.upload(str(source), self._bucket, self._key(key)) for source, key in files]
             for future in futures:
                 future.result()
 
     def download_files(self, files: Sequence[tuple[str, Path]]) -> None:
-        with create_transfer_manager(self._client, self._transfer_config) as manager:
+        with s3_transfer.create_transfer_manager(self._client, self._transfer_config) as manager:
             futures = [manager.download(self._bucket, self._key(key), str(target)) for key, target in files]
             for future in futures:
                 future.result()
@@ -421,7 +428,7 @@ class S3Backend:
         # Streaming into a hash (no local copy) through the transfer manager, which retries interrupted streams
         # and, given a sink without seek(), reassembles ranged parts in order.
         sinks = {key: _HashingSink() for key in keys}
-        with create_transfer_manager(self._client, self._transfer_config) as manager:
+        with s3_transfer.create_transfer_manager(self._client, self._transfer_config) as manager:
             futures = [manager.download(self._bucket, self._key(key), sink) for key, sink in sinks.items()]
             for future in futures:
                 future.result()
@@ -447,7 +454,7 @@ class S3Backend:
         # S3 has no rename: server-side copies (multipart for large objects, no bytes through this process), then
         # the source goes, its manifest first so that it is never a committed step with missing files.
         keys = list(self.sizes(prefix))
-        with create_transfer_manager(self._client, self._transfer_config) as manager:
+        with s3_transfer.create_transfer_manager(self._client, self._transfer_config) as manager:
             futures = [
                 manager.copy(
                     {"Bucket": self._bucket, "Key": self._key(f"{prefix}/{key}")},
@@ -464,7 +471,7 @@ class S3Backend:
     def create_exclusive(self, key: str, data: bytes) -> bool:
         try:
             self._client.put_object(Bucket=self._bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
-        except ClientError as error:
+        except botocore_errors.ClientError as error:
             # 412: the object exists; 409: a concurrent conditional write to the same key won.
             if error.response["Error"]["Code"] in ("PreconditionFailed", "ConditionalRequestConflict"):
                 return False
@@ -497,7 +504,7 @@ def _translated(what: str):
         def translating(self, *args, **kwargs):
             try:
                 return method(self, *args, **kwargs)
-            except _REMOTE_ERRORS as error:
+            except _remote_errors() as error:
                 raise self._translate(error, what) from None
 
         return translating
@@ -916,7 +923,7 @@ class CheckpointStore:
             # Manifest first: a half-deleted step is then an uncommitted one, never a broken committed one.
             self.backend.delete_key(f"{step_dir(step)}/{MANIFEST_NAME}")
             self.backend.delete_tree(step_dir(step))
-        except _STORAGE_ERRORS as error:
+        except (OSError, *_remote_errors()) as error:  # pruning logs these instead of stopping a training run
             logger.warning("could not delete %s/%s: %s", self.uri, step_dir(step), _one_line(error))
             return False
         logger.info("pruned %s/%s", self.uri, step_dir(step))
@@ -928,7 +935,7 @@ class CheckpointStore:
         while True:
             try:
                 return action()
-            except _REMOTE_ERRORS as error:
+            except _remote_errors() as error:
                 if not is_outage(error) or time.monotonic() + delay > deadline:
                     raise self._translate(error, what) from None
                 logger.warning(
@@ -949,10 +956,11 @@ class CheckpointStore:
 
 def is_outage(error: BaseException) -> bool:
     """Whether an S3 error means "not now" (unreachable, throttled, bucket missing) rather than "no"."""
-    if isinstance(error, ClientError):
+    if isinstance(error, botocore_errors.ClientError):
         status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         return error.response.get("Error", {}).get("Code") in _OUTAGE_CODES or status >= 500
-    return isinstance(error, (BotoConnectionError, HTTPClientError, IncompleteReadError, RetriesExceededError))
+    transient = (botocore_errors.ConnectionError, botocore_errors.HTTPClientError, botocore_errors.IncompleteReadError)
+    return isinstance(error, (*transient, s3transfer_errors.RetriesExceededError))
 
 
 def _one_line(error: BaseException) -> str:
@@ -972,6 +980,8 @@ def _best_step(manifests: Mapping[int, Manifest], metric: str, higher_is_better:
 
 def load_tensors(path: str | Path, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Tensors of a safetensors file (adapter or exported weights)."""
+    from safetensors.torch import load_file
+
     return load_file(str(path), device=device)
 
 
