@@ -2,9 +2,11 @@
 come before torch, MLflow, diffusers or DeepSpeed would load. Each check runs in a fresh interpreter, since this one
 has imported them all already.
 
-torch is the one exception, and only while validating: the ``sde`` section's check of which steps inject noise (and
-so how many micro-steps an update accumulates) is ``core.sde``'s own maths, which is written in torch; a copy in
-plain Python could drift from the rule the sampler and the update use."""
+Two exceptions, both while validating. torch: the ``sde`` section's check of which steps inject noise (and so how
+many micro-steps an update accumulates) is ``core.sde``'s own maths, written in torch; a copy in plain Python could
+drift from the rule the sampler and the update use. diffusers (and torch, transformers, peft... through it): a
+hunyuan15 config with sequence parallelism and weights not on disk, whose split is checked against the transformer's
+defaults in diffusers (``core.models.sequence_layout``); hence the LoRA config here rather than the 720p one."""
 
 import json
 import subprocess
