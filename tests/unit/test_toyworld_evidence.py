@@ -127,6 +127,7 @@ def dataclass_config() -> dict:
 
 def _fake_sweep() -> list[dict]:
     runs = [_fake_run("default", s, g) for s, g in enumerate([0.05, 0.06, 0.055, 0.052, 0.058, 0.051])]
+    runs += [_fake_run(report.HEADLINE_ARM, s, g) for s, g in enumerate([0.11, 0.12, 0.115, 0.112, 0.118, 0.111])]
     runs += [_fake_run("kl none", s, g, vq=-0.2 - s / 100) for s, g in enumerate([0.0, 0.01, -0.01])]  # below
     runs += [_fake_run("kl fixed", s, g) for s, g in enumerate([0.0, 0.1, 0.06])]  # overlaps the default
     runs += [_fake_run("flow 20 steps shift 5", s, 0.0, drift=d) for s, d in enumerate([0.10, 0.11, 0.12])]
@@ -144,7 +145,8 @@ def test_verdicts_follow_welch_and_holm():
     assert claims["The moving trust region keeps VQ higher than no KL (VQ gain)"]["verdict"] == "agrees"
     assert claims["The dual trust region gains more reward than a fixed anchor"]["verdict"] == "not run"
     # SAGE's rollouts drift more here: the manifold claim is contradicted, not confirmed.
-    assert claims[report.CLAIMS[2].text]["verdict"] == "disagrees"
+    (manifold,) = [c for c in report.CLAIMS if c.text.startswith("SAGE's manifold-aware noise")]
+    assert claims[manifold.text]["verdict"] == "disagrees"
     ran = [c for c in claims.values() if c["verdict"] != "not run"]
     assert [c["p_holm"] for c in ran] == pytest.approx(stats.holm([c["p"] for c in ran]), nan_ok=True)
 
@@ -167,6 +169,33 @@ def test_the_headline_is_tested_at_every_evaluation_on_both_caption_sets():
     assert held_out[2]["test"]["difference"] == pytest.approx(0.0543, abs=1e-4)
     assert held_out[1]["test"]["t"] == pytest.approx(held_out[2]["test"]["t"])  # half the gain, half the spread
     assert train[2]["test"]["difference"] == pytest.approx(2 * held_out[2]["test"]["difference"])
+
+
+def test_the_headline_is_held_to_the_bar_of_a_decisive_default():
+    runs = _fake_sweep()  # the headline gains 0.11-0.12 with the direction unchanged; p < 0.01 from the midpoint
+    text = report.decisiveness(runs)
+    assert "bar: below 0.01 at every evaluation: met" in text and "(bar: 0.1: met)" in text
+    assert "x1.00 (bar: x2: not met)" in text and "Over 6 seeds, from the midpoint (iteration 2)" in text
+    small = [dict(run, arm=report.HEADLINE_ARM) for run in runs if run["arm"] == "default"]  # gains ~0.05
+    assert "(bar: 0.1: not met)" in report.decisiveness(small)
+    assert report.decisiveness([]) == "It has not run."
+
+
+def test_the_pilot_table_shows_each_candidate_along_its_run():
+    pilot = {"command": "python -m benchmarks.toyworld.compare --collect", "runs": [_fake_run("lr 0.001", 0, -0.3)]}
+    for evaluation in pilot["runs"][0]["evaluations"]:
+        evaluation["iteration"] *= 5  # evaluations at 0, 10, 20
+    text = report.pilot_section(pilot, "benchmarks/toyworld/results/pilot", base=_fake_run("default", 0, 0.0))
+    assert "| lr 0.001 | 4 | 0.800 → 0.650 → 0.500 | +0.000 | +0.000 | 0.400 |" in text
+    assert text.index("| default | 4 | 0.800 |") < text.index("| lr 0.001 |")  # the base first, at the same seed
+
+
+def test_an_arms_update_settings_reach_the_updater_config():
+    config = compare.ARMS[report.HEADLINE_ARM].config(compare.Config())
+    update = compare.update_config_of(config)
+    assert config.iterations == 60 and update.lr_warmup_steps == 10 and update.micro_batch_size == 96
+    reused = compare.update_config_of(compare.ARMS["4 updates per rollout"].config(compare.Config()))
+    assert reused.updates_per_rollout == 4 and reused.accumulation_steps(96, 4) == 1
 
 
 def test_the_sweep_wall_time_counts_overlapping_sittings_once_and_gaps_not_at_all():
