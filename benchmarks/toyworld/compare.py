@@ -1,6 +1,6 @@
 """GRPO on ToyWorld, arm by arm over seeds: does it learn, and does each of the paper's claims hold?
 
-    python -m benchmarks.toyworld.compare --quick --jobs 2            # the learning default only (<= 15 min)
+    python -m benchmarks.toyworld.compare --quick --jobs 2            # the ablations' base only, 6 seeds (<= 15 min)
     python -m benchmarks.toyworld.compare --jobs 2                    # every arm x 3 seeds (the full sweep)
     python -m benchmarks.toyworld.compare --arms default "kl none" --seeds 3 --iterations 20
     python -m benchmarks.toyworld.compare --from-results benchmarks/toyworld/results/results.json  # report only
@@ -60,10 +60,11 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 @dataclass(frozen=True)
 class Config:
-    """One arm's settings. The defaults are the learning default: SAGE, the moving trust region (the pipeline's
-    default, calibrated preset), equalizer on, the 12 training captions x 8 samples = 96 rollouts per iteration (16
-    per iteration stayed flat over 60 iterations in a feasibility study), the high-noise half of the steps stochastic
-    and trained, lr 1e-4; evaluated on the 4 held-out captions and on the training ones."""
+    """One arm's settings. The defaults are the ablations' base (the headline arm trains it for longer): SAGE, the
+    moving trust region (the pipeline's default, calibrated preset), equalizer on, the 12 training captions x 8
+    samples = 96 rollouts per iteration (16 per iteration stayed flat over 60 iterations in a feasibility study), the
+    high-noise half of the steps stochastic and trained, lr 1e-4; evaluated on the 4 held-out captions and on the
+    training ones."""
 
     variant: str = "sage"
     eta: float | None = None  # None: the variant's own (ETAS)

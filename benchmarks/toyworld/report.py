@@ -393,7 +393,7 @@ def present_groups(summary: dict, groups: dict = GROUPS) -> dict[str, list[str]]
     """The questions this sweep can answer (two or more of their arms ran); the default alone when none can."""
     found = {title: [arm for arm in arms if arm in summary] for title, arms in groups.items()}
     found = {title: arms for title, arms in found.items() if len(arms) >= 2}
-    return found or {"Learning default": [arm for arm in summary if arm == "default"] or list(summary)}
+    return found or {"The ablations' base": [arm for arm in summary if arm == "default"] or list(summary)}
 
 
 def table(summary: dict, present: list[str], columns=COLUMNS) -> str:
@@ -608,7 +608,7 @@ def markdown(saved: dict, summary: dict, claims: list[dict], earlier: str, paths
         "",
         f"Generated from `{paths['data']}` by `benchmarks/toyworld/report.py` (`compare.py --from-results` "
         f"regenerates it); curves: `{paths['figure']}` (mean ± standard error over seeds; bottom left: the "
-        "default's t at every evaluation).",
+        "headline's t at every evaluation).",
         "",
         "The world (`benchmarks/toyworld/`): a 4x4 square of one of 4 colours moving one pixel per frame in one of 4 "
         "directions, 8 frames of 16x16, 16 captions. A tiny caption-conditioned HunyuanVideo 1.5 transformer "
@@ -693,9 +693,10 @@ def earlier_section(earlier: dict, path: str) -> str:
         f"Measured before the held-out captions: GRPO trained and was evaluated on the same 16 captions (only the "
         f"noise differed), the default was the dual trust region with λ fixed at 0.1 (the controller never acted), "
         f"and `anchor N=1` is the same experiment as `kl step_wise` (bit-identical rewards; the sweep above refuses "
-        f"such duplicates). Kept for the arms not rerun yet (the equalizer, the anchor interval, the samplers, the "
-        f"paper's schedule). {len(earlier['runs'])} runs, `{earlier['command']}`, {earlier['wall_s'] / 60:.0f} min "
-        f"with {earlier['jobs']} runs in parallel on {earlier['machine']['cpus']} cores. Data: `{path}`; the "
+        f"such duplicates). Kept for the arms not rerun yet (the equalizer, the anchor interval, the samplers at 8 "
+        f"steps; its paper's-schedule arms ran 20 iterations). {len(earlier['runs'])} runs, "
+        f"`{earlier['command']}`, {earlier['wall_s'] / 60:.0f} min with {earlier['jobs']} runs in parallel on "
+        f"{earlier['machine']['cpus']} cores. Data: `{path}`; the "
         "verdicts are re-tested here with Welch's t and Holm's correction across this table.",
         "",
         *verdict_table(claims),
