@@ -189,8 +189,11 @@ class SageGRPORecipe:
         """What a person checks before walking away from a run: scale, batch, what trains, how long."""
         config, derived = self.config, self._derived_params()
         start = f"resuming after iteration {self.progress.iteration}" if self.progress.iteration else "from the start"
+        ranks = f"{distributed.data_parallel_size()} data-parallel rank(s)"
+        if distributed.sequence_parallel_size() > 1:  # a group of K ranks shares each sample's tokens
+            ranks += f" (groups of {distributed.sequence_parallel_size()} sequence-parallel ranks)"
         return (
-            f"run {config.run.name}: {distributed.world_size()} rank(s) x {config.rollout.samples_per_rank} samples "
+            f"run {config.run.name}: {ranks} x {config.rollout.samples_per_rank} samples "
             f"({config.rollout.prompts_per_rank} prompts x G={config.rollout.group_size}) = "
             f"{derived['derived.effective_batch']} videos per iteration; {derived['derived.trained_steps']} of "
             f"{config.sde.steps} steps trained; {derived['derived.trainable_parameters']:,} of "

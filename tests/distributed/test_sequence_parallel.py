@@ -73,8 +73,9 @@ def test_weights_and_metrics_after_two_updates_match(runs):
 _UNCOMPARED = ("time/", "system/", "samples_per_second", "mfu")
 
 
-def _run(output_dir: Path, processes: int, size: int, iterations: int, *flags: str) -> None:
-    torchrun(
+def _run(output_dir: Path, processes: int, size: int, iterations: int, *flags: str) -> str:
+    """The run's log (stderr)."""
+    return torchrun(
         processes,
         "-m",
         "sage_grpo.pipeline.cli",
@@ -87,7 +88,7 @@ def _run(output_dir: Path, processes: int, size: int, iterations: int, *flags: s
         f"run.max_iterations={iterations}",
         f"parallel.sequence_parallel_size={size}",
         *flags,
-    )
+    ).stderr
 
 
 def _metrics(output_dir: Path) -> dict[str, dict[int, float]]:
@@ -101,7 +102,9 @@ def _metrics(output_dir: Path) -> dict[str, dict[int, float]]:
 
 def test_runs_at_k2_match_k1_and_a_k2_checkpoint_resumes_at_k1_and_back(tmp_path):
     _run(tmp_path / "k1", 1, 1, 4)
-    _run(tmp_path / "k2", 2, 2, 2)
+    log = _run(tmp_path / "k2", 2, 2, 2)
+    # The header counts the data-parallel ranks the batch is over, not the processes.
+    assert "1 data-parallel rank(s) (groups of 2 sequence-parallel ranks) x 4 samples" in log, log[-3000:]
     _run(tmp_path / "k2", 1, 1, 3, "--resume", "auto")  # K = 2's checkpoint, resumed on one process at K = 1
     _run(tmp_path / "k2", 2, 2, 4, "--resume", "auto")  # and that checkpoint back at K = 2
     single, layouts = _metrics(tmp_path / "k1"), _metrics(tmp_path / "k2")

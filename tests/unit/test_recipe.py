@@ -122,6 +122,7 @@ def test_the_loop_runs_its_iterations_and_records_the_promised_metrics(straight)
     assert history[1]["update/anchor_refreshes"] == 1  # trust_region.anchor_interval=2
     # One line per iteration for the person watching, after the header that says what will run.
     assert straight.header.endswith("iterations 1..3 (from the start)")
+    assert ": 1 data-parallel rank(s) x " in straight.header
     shown = [line for line in straight.lines if line.startswith("iteration ")]
     assert [line.split(":")[0] for line in shown] == ["iteration 1", "iteration 2", "iteration 3"]
     assert "reward/mean=" in shown[0] and "eval/reward=" in shown[1]
