@@ -4,7 +4,7 @@ Recipe::
 
     exam = EvalSet(digest, size=32, source="s3://bucket/eval/v3.jsonl")     # what the metrics were scored on
     version = register_export(client, "t2v-policy", export_dir, run_id, metrics, export_key(run_id, step),
-                              base_model="hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v",
+                              base_model="hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v",
                               eval_set=exam, step=step)                                # alias "challenger"
     decision = promote(client, "t2v-policy", primary_metric="eval/reward", min_improvement=0.01,
                        guarded={"eval/aesthetic": 0.05})                                      # maybe "champion"

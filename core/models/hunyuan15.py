@@ -129,7 +129,7 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
         vae_tiling: bool = True,
         **kwargs,
     ) -> HunyuanVideo15Adapter:
-        """Load a diffusers-format checkpoint, e.g. ``hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v``."""
+        """Load a diffusers-format checkpoint, e.g. ``hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v``."""
         from diffusers import HunyuanVideo15Pipeline
 
         dtype = torch.bfloat16 if dtype is None else dtype
