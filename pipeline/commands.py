@@ -54,6 +54,9 @@ def setup_logging(verbosity: int = 0) -> None:
     level = main_level if int(os.environ.get("RANK", 0)) == 0 else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # MLflow is imported where it is first used, after this; on import it would give its loggers its own handler at
+    # INFO, overriding the levels below. Unconfigured, they propagate here like every other library's.
+    os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
     if verbosity > 0:
         return
     for noisy in THIRD_PARTY:
