@@ -181,13 +181,6 @@ ARMS = {
         # The headline: the default trained twice as long, its lr warmed up over the first 10 updates (chosen by the
         # one-seed pilot below; RESULTS.md lists it).
         _arm(HEADLINE_ARM, iterations=60, lr_warmup_steps=10),
-        # The pilot's other candidates for a default that learns decisively (one seed each, --out .../pilot).
-        *[_arm(f"lr {lr:g}", learning_rate=lr) for lr in (3e-4, 1e-3)],
-        _arm("4 updates per rollout", updates_per_rollout=4),
-        _arm("lr 0.0003 4 updates", learning_rate=3e-4, updates_per_rollout=4),
-        _arm("G=16", group_size=16),
-        _arm("sage eta 1", eta=1.0),
-        _arm("60 iterations", iterations=60),
         # The equalizer at a learning rate where it was seen to collapse (every step trained: S_t up to 5.8 at sigma 1).
         # The collapse shows within 5 updates, so 15 iterations answer the question at half the cost.
         *[
@@ -196,6 +189,20 @@ ARMS = {
         ],
     ]
 }
+# The pilot's other candidates for a default that learns decisively: one seed each (--seeds 1 --out .../pilot), not
+# part of the full sweep.
+PILOT_ARMS = {
+    arm.name: arm
+    for arm in [
+        *[_arm(f"lr {lr:g}", learning_rate=lr) for lr in (3e-4, 1e-3)],
+        _arm("4 updates per rollout", updates_per_rollout=4),
+        _arm("lr 0.0003 4 updates", learning_rate=3e-4, updates_per_rollout=4),
+        _arm("G=16", group_size=16),
+        _arm("sage eta 1", eta=1.0),
+        _arm("60 iterations", iterations=60),
+    ]
+}
+ALL_ARMS = {**ARMS, **PILOT_ARMS}
 QUICK_ARMS = ("default",)
 # Arms run at twice the seeds: the reference row of most comparisons (every difference's standard error shrinks),
 # the headline (the learning claim is decided on it), and SAGE and Flow-GRPO at the paper's schedule.
@@ -400,7 +407,7 @@ def check_distinct(arms: list[str], base: Config) -> None:
     """Refuse two arms that are the same experiment: one run would be shown as two pieces of evidence."""
     seen: dict[str, str] = {}
     for name in arms:
-        key = json.dumps(experiment(ARMS[name].config(base)), sort_keys=True)
+        key = json.dumps(experiment(ALL_ARMS[name].config(base)), sort_keys=True)
         if key in seen:
             raise UserError(
                 f"arms '{seen[key]}' and '{name}' are the same experiment (same config once defaults are resolved): "
@@ -422,7 +429,7 @@ def _cost(config: Config) -> float:
 def _jobs(arms: list[str], seeds: int, base: Config) -> list[tuple[str, Config, int]]:
     # Longest runs first, so that two workers finish together rather than one waiting on a late 20-step run; then
     # seed by seed, so that a sweep cut short has the same seeds in every arm (paired comparisons).
-    jobs = [(name, ARMS[name].config(base), seed) for name in arms for seed in range(_seeds(name, seeds))]
+    jobs = [(name, ALL_ARMS[name].config(base), seed) for name in arms for seed in range(_seeds(name, seeds))]
     return sorted(jobs, key=lambda job: (-_cost(job[1]), job[2]))
 
 
@@ -474,7 +481,12 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"only the arms {', '.join(QUICK_ARMS)}")
-    parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="arms to run (default: all, or the quick ones)")
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        choices=list(ALL_ARMS),
+        help="arms to run (default: all but the pilot's, or the quick ones)",
+    )
     parser.add_argument("--seeds", type=int, default=3, help=f"seeds per arm ({', '.join(DOUBLE_SEED_ARMS)}: twice)")
     parser.add_argument(
         "--iterations",

@@ -194,7 +194,7 @@ def test_an_arms_update_settings_reach_the_updater_config():
     config = compare.ARMS[report.HEADLINE_ARM].config(compare.Config())
     update = compare.update_config_of(config)
     assert config.iterations == 60 and update.lr_warmup_steps == 10 and update.micro_batch_size == 96
-    reused = compare.update_config_of(compare.ARMS["4 updates per rollout"].config(compare.Config()))
+    reused = compare.update_config_of(compare.PILOT_ARMS["4 updates per rollout"].config(compare.Config()))
     assert reused.updates_per_rollout == 4 and reused.accumulation_steps(96, 4) == 1
 
 
@@ -267,11 +267,12 @@ def test_experiment_resolves_defaults_and_settings_that_cannot_act():
 
 
 def test_every_shipped_arm_is_a_distinct_experiment():
-    compare.check_distinct(list(compare.ARMS), compare.Config())
+    compare.check_distinct(list(compare.ALL_ARMS), compare.Config())
+    assert not compare.ARMS.keys() & compare.PILOT_ARMS.keys()  # the full sweep leaves the pilot out
 
 
 def test_duplicate_arms_are_refused_in_one_line_naming_both(monkeypatch, capsys):
-    monkeypatch.setitem(compare.ARMS, "anchor N=1", compare._arm("anchor N=1", anchor_interval=1))
+    monkeypatch.setitem(compare.ALL_ARMS, "anchor N=1", compare._arm("anchor N=1", anchor_interval=1))
     monkeypatch.setattr(sys, "argv", ["compare", "--arms", "kl none", "anchor N=1", "--out", "/nonexistent"])
     with pytest.raises(SystemExit) as stopped:
         compare.main()
