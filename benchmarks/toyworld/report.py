@@ -665,7 +665,8 @@ def markdown(saved: dict, summary: dict, claims: list[dict], earlier: str, paths
             if saved["profile"] == "full"
             else [
                 "**This is not the full sweep**: the claims whose arms did not run are listed below the table. The "
-                "full sweep (every arm x 3 seeds, the reference arm 6) is "
+                "full sweep (every arm x 3 seeds; the base, the headline, and SAGE and Flow-GRPO at the paper's "
+                "schedule 6; the pilot's candidates left out) is "
                 "`python -m benchmarks.toyworld.compare --jobs 2`.",
                 "",
             ]
@@ -702,8 +703,8 @@ def earlier_section(earlier: dict, path: str) -> str:
         f"Measured before the held-out captions: GRPO trained and was evaluated on the same 16 captions (only the "
         f"noise differed), the default was the dual trust region with λ fixed at 0.1 (the controller never acted), "
         f"and `anchor N=1` is the same experiment as `kl step_wise` (bit-identical rewards; the sweep above refuses "
-        f"such duplicates). Kept for the arms not rerun yet (the equalizer, the anchor interval, the samplers at 8 "
-        f"steps; its paper's-schedule arms ran 20 iterations). {len(earlier['runs'])} runs, "
+        f"such duplicates). Kept as the in-distribution counterpart of the arms above (its paper's-schedule arms ran "
+        f"20 iterations). {len(earlier['runs'])} runs, "
         f"`{earlier['command']}`, {earlier['wall_s'] / 60:.0f} min with {earlier['jobs']} runs in parallel on "
         f"{earlier['machine']['cpus']} cores. Data: `{path}`; the "
         "verdicts are re-tested here with Welch's t and Holm's correction across this table.",
