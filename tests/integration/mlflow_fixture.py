@@ -20,6 +20,9 @@ from tests.helpers import free_port, wait_until_answering
 
 MLFLOW = Path(sys.executable).parent / "mlflow"
 STARTUP_TIMEOUT_S = 90.0
+# free_port() only knows a port was free when it asked; the server binds it seconds later (its imports take that
+# long), and a test on another xdist worker can take it first. A first start then moves to another port.
+PORT_ATTEMPTS = 3
 
 
 class MlflowServer:
@@ -32,8 +35,21 @@ class MlflowServer:
         self._destination = artifacts_destination or str(workdir / "artifacts")
         self._environment = environment or {}
         self._process: subprocess.Popen | None = None
+        self._has_run = False  # once it has, restarts keep its port: clients hold the URL
 
     def start(self) -> None:
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                self._start_once()
+                self._has_run = True
+                return
+            except RuntimeError as error:
+                if self._has_run or attempt == PORT_ATTEMPTS or "address already in use" not in str(error):
+                    raise
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+
+    def _start_once(self) -> None:
         command = [
             str(MLFLOW),
             "server",
