@@ -193,7 +193,7 @@ def test_the_pilot_table_shows_each_candidate_along_its_run():
 def test_an_arms_update_settings_reach_the_updater_config():
     config = compare.ARMS[report.HEADLINE_ARM].config(compare.Config())
     update = compare.update_config_of(config)
-    assert config.iterations == 60 and update.lr_warmup_steps == 10 and update.micro_batch_size == 96
+    assert config.iterations == 180 and update.lr_warmup_steps == 10 and update.micro_batch_size == 96
     reused = compare.update_config_of(compare.PILOT_ARMS["4 updates per rollout"].config(compare.Config()))
     assert reused.updates_per_rollout == 4 and reused.accumulation_steps(96, 4) == 1
 
