@@ -796,5 +796,6 @@ def write(saved: dict, out: Path, results_md: Path, earlier_path: Path = EARLIER
     base = next((run for run in saved["runs"] if run["arm"] == "default" and run["seed"] == 0), None)
     pilot = pilot_section(json.loads(pilot_data.read_text()), relative(pilot_path), base) if pilot_data.exists() else ""
     section = markdown(saved, summary, claims, earlier, {"data": relative(data), "figure": relative(figure)}, pilot)
-    results_md.write_text(replace_section(results_md.read_text(), section))
+    # A new file holds the section alone: a sweep's report can go to a scratch file without preparing it.
+    results_md.write_text(replace_section(results_md.read_text(), section) if results_md.exists() else section)
     print(section)

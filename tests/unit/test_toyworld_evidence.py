@@ -247,6 +247,9 @@ def test_report_writes_tests_headline_and_the_earlier_sweep(tmp_path):
     assert (tmp_path / "out" / "curves.png").stat().st_size > 0
     saved_back = json.loads((tmp_path / "out" / "results.json").read_text())  # NaN stored as null: valid JSON
     assert saved_back["verdicts"][0]["verdict"] == "agrees"
+    scratch = tmp_path / "scratch.md"  # a report to a file that does not exist yet holds the section alone
+    report.write(saved, tmp_path / "out", scratch, earlier_path=tmp_path / "earlier.json")
+    assert scratch.read_text().startswith(report.BEGIN) and scratch.read_text().endswith(report.END)
 
 
 # ----------------------------------------------------------------------------------------------------------------
