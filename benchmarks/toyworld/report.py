@@ -156,14 +156,14 @@ CLAIMS = [
         "reward gain",
     ),
     Claim("... and on its training captions", HEADLINE_ARM, None, "train reward gain"),
+    Claim(f"... and at 60 iterations (arm {PAPER_RECIPE})", PAPER_RECIPE, None, "reward gain"),
+    Claim("... and at 30 iterations, the ablations' base (arm default)", "default", None, "reward gain"),
     Claim(
         "SAGE gains more reward than CPS at the headline's horizon (180 iterations)",
         HEADLINE_ARM,
         f"cps {HEADLINE_ARM}",
         "reward gain",
     ),
-    Claim(f"... and at 60 iterations (arm {PAPER_RECIPE})", PAPER_RECIPE, None, "reward gain"),
-    Claim("... and at 30 iterations, the ablations' base (arm default)", "default", None, "reward gain"),
     *[
         Claim(
             f"{name} at the paper's schedule (20 steps, shift 5, 40 iterations) raises the held-out reward",
@@ -563,8 +563,17 @@ def decisiveness(runs: list[dict]) -> str:
         f"iteration {last} the held-out reward gain is {gain:+.4f} (bar: {DECISIVE_GAIN:g}: "
         f"{met(gain >= DECISIVE_GAIN)}) and the direction accuracy {direction[0]:.3f} -> {direction[1]:.3f}, x"
         f"{direction[1] / direction[0]:.2f} (bar: x{DECISIVE_DIRECTION_FACTOR:g}: "
-        f"{met(direction[1] >= DECISIVE_DIRECTION_FACTOR * direction[0])})."
+        f"{met(direction[1] >= DECISIVE_DIRECTION_FACTOR * direction[0])}). Where the gain comes from (held-out, "
+        f"mean change): {_dimension_changes(group)}."
     )
+
+
+def _dimension_changes(group: list[dict]) -> str:
+    changes = {
+        name: statistics.mean(run["evaluations"][-1][name] - run["evaluations"][0][name] for run in group)
+        for name in ("MQ", "VQ", "colour", "direction")
+    }
+    return ", ".join(f"{name} {change:+.3f}" for name, change in changes.items())
 
 
 def pilot_section(pilot: dict, path: str, base: dict | None = None) -> str:

@@ -179,6 +179,8 @@ def test_the_headline_is_held_to_the_bar_of_a_decisive_default():
     small = [dict(run, arm=report.HEADLINE_ARM) for run in runs if run["arm"] == "default"]  # gains ~0.05
     assert "(bar: 0.1: not met)" in report.decisiveness(small)
     assert report.decisiveness([]) == "It has not run."
+    fell = [dict(run, arm=report.HEADLINE_ARM) for run in runs if run["arm"] == "kl none"]  # VQ -0.20, -0.21, -0.22
+    assert "mean change): MQ +0.000, VQ -0.210, colour +0.000, direction +0.000." in report.decisiveness(fell)
 
 
 def test_the_pilot_table_shows_each_candidate_along_its_run():
