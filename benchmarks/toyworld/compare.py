@@ -223,12 +223,17 @@ PILOT_ARMS = {
 ALL_ARMS = {**ARMS, **PILOT_ARMS}
 QUICK_ARMS = ("default",)
 # Arms run at twice the seeds: the reference row of most comparisons (every difference's standard error shrinks),
-# the headline (the learning claim is decided on it), and SAGE and Flow-GRPO at the paper's schedule.
+# the headline (the learning claim is decided on it), SAGE and Flow-GRPO at the paper's schedule, and the arms of the
+# paper's own claims at 8 steps (the other samplers, the trust-region strategies, the equalizer off): with 3 seeds and
+# 35 claims under Holm, none of those could be decided.
 DOUBLE_SEED_ARMS = (
     "default",
     HEADLINE_ARM,
     PAPER_RECIPE,
     *[f"{v} 20 steps shift 5{recipe}" for v in ("sage", "flow") for recipe in ("", f" {PAPER_RECIPE}")],
+    *[v for v in VARIANTS if v != "sage"],
+    *[f"kl {kl}" for kl in ("none", "fixed", "step_wise", "dual")],
+    "equalizer off",
 )
 
 

@@ -297,12 +297,12 @@ def test_a_finished_run_is_reused_only_for_the_same_experiment(tmp_path):
 
 
 def test_jobs_run_seed_by_seed_so_a_cut_sweep_stays_paired():
-    jobs = compare._jobs(["default", "kl none"], 2, compare.Config())
+    jobs = compare._jobs(["default", "equalizer cap"], 2, compare.Config())  # 4 seeds of the base, 2 of the cap
     assert [(arm, seed) for arm, _, seed in jobs] == [
         ("default", 0),
-        ("kl none", 0),
+        ("equalizer cap", 0),
         ("default", 1),
-        ("kl none", 1),
+        ("equalizer cap", 1),
         ("default", 2),
         ("default", 3),
     ]

@@ -17,9 +17,9 @@ pytestmark = pytest.mark.slow
 def test_a_rerun_skips_the_finished_runs_and_logs_each_sitting(tmp_path):
     """About 30 s: one real run of one iteration; the second sitting runs nothing and returns the same result."""
     base = compare.Config(iterations=1, eval_every=1, held_out_samples_per_caption=1, eval_samples_per_caption=1)
-    first = compare.sweep(["kl none"], 1, base, 1, tmp_path, "first")
+    first = compare.sweep(["equalizer cap"], 1, base, 1, tmp_path, "first")
     assert len(first["runs"]) == 1 and first["sittings"][-1]["runs"] == 1
-    second = compare.sweep(["kl none"], 1, base, 1, tmp_path, "second")
+    second = compare.sweep(["equalizer cap"], 1, base, 1, tmp_path, "second")
     assert second["runs"] == first["runs"] and second["sittings"][-1]["runs"] == 0
     assert len(json.loads((tmp_path / "sittings.json").read_text())) == 2
     evaluation = first["runs"][0]["evaluations"][-1]
