@@ -197,7 +197,7 @@ ARMS = {
         # slope from iteration 30 on (about 0.0006 per iteration) would reach a gain of 0.1.
         _arm(PAPER_RECIPE, iterations=60, lr_warmup_steps=10),
         _arm(HEADLINE_ARM, iterations=180, lr_warmup_steps=10, eval_every=10),
-        # CPS gained the most of the samplers at 30 iterations (+0.043, 3 seeds): at the headline's horizon too?
+        # CPS gained the most of the samplers at 30 iterations (+0.031, 6 seeds): at the headline's horizon too?
         _arm(f"cps {HEADLINE_ARM}", variant="cps", iterations=180, lr_warmup_steps=10, eval_every=10),
         # The equalizer at a learning rate where it was seen to collapse (every step trained: S_t up to 5.8 at sigma 1).
         # The collapse shows within 5 updates, so 15 iterations answer the question at half the cost.

@@ -702,8 +702,9 @@ def markdown(saved: dict, summary: dict, claims: list[dict], earlier: str, paths
             if saved["profile"] == "full"
             else [
                 "**This is not the full sweep**: the claims whose arms did not run are listed below the table. The "
-                "full sweep (every arm x 3 seeds; 6 for the base, the headline and its 60-iteration recipe, and "
-                "SAGE and Flow-GRPO at the paper's schedule; the pilot's candidates left out) is "
+                "full sweep (every arm x 3 seeds; 6 for the base, the headline and its 60-iteration recipe, SAGE "
+                "and Flow-GRPO at the paper's schedule, and the arms of the paper's claims at 8 steps; the pilot's "
+                "candidates left out) is "
                 "`python -m benchmarks.toyworld.compare --jobs 2`.",
                 "",
             ]
