@@ -569,11 +569,9 @@ def decisiveness(runs: list[dict]) -> str:
 
 
 def _dimension_changes(group: list[dict]) -> str:
-    changes = {
-        name: statistics.mean(run["evaluations"][-1][name] - run["evaluations"][0][name] for run in group)
-        for name in ("MQ", "VQ", "colour", "direction")
-    }
-    return ", ".join(f"{name} {change:+.3f}" for name, change in changes.items())
+    metrics = [run_metrics(run) for run in group]
+    names = ("MQ", "VQ", "colour", "direction")
+    return ", ".join(f"{name} {statistics.mean(m[f'{name} gain'] for m in metrics):+.3f}" for name in names)
 
 
 def pilot_section(pilot: dict, path: str, base: dict | None = None) -> str:
