@@ -41,10 +41,11 @@ from sage_grpo.core.models.tiny import tiny_hunyuan15
 from sage_grpo.core.rewards import RewardSpec
 from sage_grpo.core.rewards.base import VideoBatch, weighted_total
 from sage_grpo.core.rewards.simple import Brightness, TemporalSmoothness
+from sage_grpo.core.trust_region import TrustRegionConfig
 from sage_grpo.stages.engine import build_engine
 from sage_grpo.stages.rollout import SDEConfig, generate
 from sage_grpo.stages.score import Scorer
-from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater
+from sage_grpo.stages.update import UpdateConfig, Updater
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ("a red ball bouncing", "a blue car driving at night")

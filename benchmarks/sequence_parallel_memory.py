@@ -59,9 +59,10 @@ def worker(out: Path) -> None:
     from sage_grpo.core import distributed
     from sage_grpo.core.grpo import group_advantages
     from sage_grpo.core.models.tiny import tiny_hunyuan15
+    from sage_grpo.core.trust_region import TrustRegionConfig
     from sage_grpo.stages.engine import build_engine
     from sage_grpo.stages.rollout import SDEConfig, generate
-    from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater
+    from sage_grpo.stages.update import UpdateConfig, Updater
 
     torch.set_num_threads(1)
     if torch.cuda.is_available() and int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():

@@ -1,12 +1,18 @@
-"""The dual trust region as pure logic: which KL terms a strategy uses and when the moving anchor refreshes.
+"""The dual trust region: its config section (``trust_region``), which KL terms a strategy uses, when the moving
+anchor refreshes, and the controller of its weight lambda.
 
-``shared/spec/sage-grpo.md`` section 4. The anchor's weights themselves live in ``stages/anchor.py``.
+``shared/spec/sage-grpo.md`` section 4. The anchor's weights themselves live in ``stages/anchor.py``; how strong the
+trust region is, measured on every update, in ``stages/update.py`` (``OutputGradients``) and docs/algorithm.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from sage_grpo.core.grpo import AdaptiveKLController, GradientRatioController, KLFeedback
 
 
 class KLStrategy(str, Enum):
@@ -17,21 +23,82 @@ class KLStrategy(str, Enum):
     DUAL = "dual"  # moving-anchor position KL + step-wise velocity KL (SAGE-GRPO)
 
 
-@dataclass(frozen=True)
-class TrustRegion:
-    """Weights of the two KL terms and the anchor refresh interval N (the reference code's N = 10)."""
+# lambda's numbers per preset. "paper" is the appendix literally (lambda in [1e-7, 1e-5], KL target 1e-5): on our
+# per-element-mean KL its gradient is ~1e-6 of the policy term's, so it is inert (docs/algorithm.md). "calibrated"
+# (default) holds the measured gradient ratio at kl_ratio_target, lambda free over six decades.
+KL_PRESETS: dict[str, dict[str, Any]] = {
+    "calibrated": dict(
+        kl_initial=0.1,
+        kl_minimum=1e-4,
+        kl_maximum=100.0,
+        kl_warmup_steps=0,
+        kl_history=10,
+        kl_target=1e-3,
+        kl_feedback=KLFeedback.GRADIENT_RATIO,
+    ),
+    "paper": dict(
+        kl_initial=1e-7,
+        kl_maximum=1e-5,
+        kl_warmup_steps=100,
+        kl_history=10,
+        kl_target=1e-5,
+        kl_feedback=KLFeedback.TOWARD_TARGET,
+    ),
+}
 
+
+class TrustRegionConfig(BaseModel):
+    """The trust region and its adaptive weight. ``preset`` fills the lambda keys left unset: ``calibrated``
+    (default, acts) or ``paper`` (the appendix's numbers, inert on this objective); a key set explicitly wins."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    preset: Literal["calibrated", "paper"] = "calibrated"
+    # moving, not the paper's dual: the velocity term changed nothing measurable on the ToyWorld and costs a
+    # reference forward per micro-step (docs/algorithm.md, "The velocity term is off by default").
     strategy: KLStrategy = KLStrategy.MOVING
-    position_weight: float = 1.0
-    stepwise_weight: float = 0.1
-    anchor_interval: int = 10
+    position_weight: float = Field(1.0, ge=0)
+    stepwise_weight: float = Field(0.1, ge=0)  # the reference code's weight of the velocity term
+    # lagged: Gaussian mean KL to the policy one applied update behind (pi_{k-1}). rollout_logratio: the paper's
+    # mean(logp_old - logp_new), identically 0 with one update per rollout (kept for parity; a no-op here).
+    velocity_estimator: Literal["lagged", "rollout_logratio"] = "lagged"
+    anchor_interval: int = Field(10, ge=1)  # N, the reference code's: the anchor refreshes every N updates
+    anchor_offload: bool = False
+    kl_initial: float = Field(gt=0)
+    # lambda's floor under gradient_ratio feedback (the KL-steered feedbacks use kl_initial as theirs)
+    kl_minimum: float | None = Field(None, gt=0)
+    kl_maximum: float = Field(gt=0)
+    kl_warmup_steps: int = Field(ge=0)
+    kl_history: int = Field(ge=1)
+    # The KL the toward_target / as_written feedbacks steer to (per element, in units of the step's variance).
+    kl_target: float = Field(gt=0)
+    # The update-level |lambda grad KL| / |grad policy| the gradient_ratio feedback holds (update/kl_grad_ratio): a
+    # measured compromise between learning and drift (docs/algorithm.md, "How the target was chosen").
+    kl_ratio_target: float = Field(0.003, gt=0)
+    kl_feedback: KLFeedback
 
-    def __post_init__(self):
-        object.__setattr__(self, "strategy", KLStrategy(self.strategy))
-        if self.anchor_interval < 1:
-            raise ValueError(f"anchor_interval must be >= 1, got {self.anchor_interval}")
-        if self.position_weight < 0 or self.stepwise_weight < 0:
-            raise ValueError("KL term weights must be >= 0")
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            if "kl_grad_ratio_every" in data:
+                raise ValueError(
+                    "kl_grad_ratio_every was removed: update/kl_grad_ratio is measured on every update at no extra "
+                    "network pass; delete the key"
+                )
+            preset = data.get("preset", "calibrated")
+            if preset in KL_PRESETS:
+                data = KL_PRESETS[preset] | data
+        return data
+
+    @model_validator(mode="after")
+    def _lambda_range(self) -> TrustRegionConfig:
+        if not (self.kl_minimum or self.kl_initial) <= self.kl_initial <= self.kl_maximum:
+            raise ValueError(
+                f"need kl_minimum <= kl_initial <= kl_maximum, got {self.kl_minimum}, {self.kl_initial}, "
+                f"{self.kl_maximum}"
+            )
+        return self
 
     @property
     def uses_position_kl(self) -> bool:
@@ -65,3 +132,21 @@ class TrustRegion:
         if self.uses_stepwise_kl:
             total = total + self.stepwise_weight * stepwise_kl
         return total
+
+    def controller(self) -> AdaptiveKLController | GradientRatioController:
+        if self.kl_feedback is KLFeedback.GRADIENT_RATIO:
+            return GradientRatioController(
+                initial=self.kl_initial,
+                minimum=self.kl_minimum or self.kl_initial,
+                maximum=self.kl_maximum,
+                target=self.kl_ratio_target,
+                history=self.kl_history,
+            )
+        return AdaptiveKLController(
+            initial=self.kl_initial,
+            maximum=self.kl_maximum,
+            warmup_steps=self.kl_warmup_steps,
+            history=self.kl_history,
+            target=self.kl_target,
+            feedback=self.kl_feedback,
+        )

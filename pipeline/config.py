@@ -21,12 +21,13 @@ from sage_grpo.core.rewards.registry import RewardSpec
 from sage_grpo.core.s3 import S3Config
 from sage_grpo.core.storage import CheckpointConfig
 from sage_grpo.core.tracking_config import TrackingConfig
+from sage_grpo.core.trust_region import TrustRegionConfig
 from sage_grpo.stages.engine import DeepSpeedConfig, check_optimizer_fits, deepspeed_config
 from sage_grpo.stages.evaluate import EvalConfig
 from sage_grpo.stages.ingest import DataConfig
 from sage_grpo.stages.rollout import RolloutConfig, SDEConfig
 from sage_grpo.stages.score import ScoringConfig
-from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig
+from sage_grpo.stages.update import UpdateConfig
 
 # Keys a release moved: a config that still sets one is refused with a line naming its new place.
 MOVED_KEYS = {

@@ -35,16 +35,13 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sage_grpo.core import distributed, flops, sde
 from sage_grpo.core.grpo import (
-    AdaptiveKLController,
     Advantages,
-    GradientRatioController,
-    KLFeedback,
     SurrogateTerms,
     clipped_surrogate,
     gaussian_mean_kl,
@@ -54,7 +51,7 @@ from sage_grpo.core.grpo import (
 from sage_grpo.core.lazy import lazy_module
 from sage_grpo.core.lr_schedules import LRSchedule, lr_multiplier
 from sage_grpo.core.progress import progress_bar
-from sage_grpo.core.trust_region import KLStrategy, TrustRegion
+from sage_grpo.core.trust_region import KLStrategy, TrustRegionConfig
 from sage_grpo.stages.anchor import Anchor
 from sage_grpo.stages.rollout import score_transition
 
@@ -160,108 +157,6 @@ class UpdateConfig(BaseModel):
         )
 
 
-# The adaptive KL weight's numbers per preset. "paper" is the appendix literally (lambda in [1e-7, 1e-5], KL target
-# 1e-5): on our per-element-mean KL its gradient is ~1e-6 of the policy term's, so it is inert (measured: README).
-# "calibrated" (default) holds the measured gradient ratio at kl_ratio_target, lambda free over six decades.
-KL_PRESETS: dict[str, dict[str, Any]] = {
-    "calibrated": dict(
-        kl_initial=0.1,
-        kl_minimum=1e-4,
-        kl_maximum=100.0,
-        kl_warmup_steps=0,
-        kl_history=10,
-        kl_target=1e-3,
-        kl_feedback=KLFeedback.GRADIENT_RATIO,
-    ),
-    "paper": dict(
-        kl_initial=1e-7,
-        kl_maximum=1e-5,
-        kl_warmup_steps=100,
-        kl_history=10,
-        kl_target=1e-5,
-        kl_feedback=KLFeedback.TOWARD_TARGET,
-    ),
-}
-
-
-class TrustRegionConfig(BaseModel):
-    """The dual trust region and its adaptive weight. ``preset`` fills the lambda keys left unset: ``calibrated``
-    (default, acts) or ``paper`` (the appendix's numbers, inert on this objective); a key set explicitly wins."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    preset: Literal["calibrated", "paper"] = "calibrated"
-    # moving, not the paper's dual: on the ToyWorld the velocity term changed nothing measurable at 6 seeds (reward
-    # gain 0.0185 vs 0.0182, Welch p = 0.97; drift, VQ p > 0.3) and costs a reference forward per micro-step (README).
-    strategy: KLStrategy = KLStrategy.MOVING
-    position_weight: float = Field(1.0, ge=0)
-    stepwise_weight: float = Field(0.1, ge=0)
-    # lagged: Gaussian mean KL to the policy one applied update behind (pi_{k-1}). rollout_logratio: the paper's
-    # mean(logp_old - logp_new), identically 0 with one update per rollout (kept for parity; a no-op here).
-    velocity_estimator: Literal["lagged", "rollout_logratio"] = "lagged"
-    anchor_interval: int = Field(10, ge=1)
-    anchor_offload: bool = False
-    kl_initial: float = Field(gt=0)
-    # lambda's floor under gradient_ratio feedback (the KL-steered feedbacks use kl_initial as theirs)
-    kl_minimum: float | None = Field(None, gt=0)
-    kl_maximum: float = Field(gt=0)
-    kl_warmup_steps: int = Field(ge=0)
-    kl_history: int = Field(ge=1)
-    # The KL the toward_target / as_written feedbacks steer to (per element, in units of the step's variance).
-    kl_target: float = Field(gt=0)
-    # The update-level |lambda grad KL| / |grad policy| the gradient_ratio feedback holds (update/kl_grad_ratio).
-    # Measured (README, "The trust region is measured and steered"): on the tiny HunyuanVideo 1.5 under a reward it
-    # can chase, 0.003 learned with 15x less drift from the start than no KL, 0.002 let the drift run (lambda chased a
-    # growing ratio down to 0.01), 0.01 cut the drift 25x but learned less; on the ToyWorld (micro-batch 128) 0.01 put
-    # lambda near 3 and the mean reward gain over 6 seeds fell from 0.027 (lambda 0.1) to 0.005.
-    kl_ratio_target: float = Field(0.003, gt=0)
-    kl_feedback: KLFeedback
-
-    @model_validator(mode="before")
-    @classmethod
-    def _fill_from_preset(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            if "kl_grad_ratio_every" in data:
-                raise ValueError(
-                    "kl_grad_ratio_every was removed: update/kl_grad_ratio is measured on every update at no extra "
-                    "network pass; delete the key"
-                )
-            preset = data.get("preset", "calibrated")
-            if preset in KL_PRESETS:
-                data = KL_PRESETS[preset] | data
-        return data
-
-    @model_validator(mode="after")
-    def _lambda_range(self) -> TrustRegionConfig:
-        if not (self.kl_minimum or self.kl_initial) <= self.kl_initial <= self.kl_maximum:
-            raise ValueError(
-                f"need kl_minimum <= kl_initial <= kl_maximum, got {self.kl_minimum}, {self.kl_initial}, "
-                f"{self.kl_maximum}"
-            )
-        return self
-
-    def region(self) -> TrustRegion:
-        return TrustRegion(self.strategy, self.position_weight, self.stepwise_weight, self.anchor_interval)
-
-    def controller(self) -> AdaptiveKLController | GradientRatioController:
-        if self.kl_feedback is KLFeedback.GRADIENT_RATIO:
-            return GradientRatioController(
-                initial=self.kl_initial,
-                minimum=self.kl_minimum or self.kl_initial,
-                maximum=self.kl_maximum,
-                target=self.kl_ratio_target,
-                history=self.kl_history,
-            )
-        return AdaptiveKLController(
-            initial=self.kl_initial,
-            maximum=self.kl_maximum,
-            warmup_steps=self.kl_warmup_steps,
-            history=self.kl_history,
-            target=self.kl_target,
-            feedback=self.kl_feedback,
-        )
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Advantages
 # ----------------------------------------------------------------------------------------------------------------
@@ -327,7 +222,7 @@ class OutputGradients:
     def __init__(self):
         self.rows: list[torch.Tensor] = []
 
-    def add(self, terms: LossTerms, region: TrustRegion) -> None:
+    def add(self, terms: LossTerms, region: TrustRegionConfig) -> None:
         """Differentiate ``terms`` with respect to their output (the graph stays for the backward)."""
         policy, position, velocity = (
             _output_gradient(value, terms.output) for value in (terms.policy, terms.position_kl, terms.velocity_kl)
@@ -336,7 +231,7 @@ class OutputGradients:
         kl = kl if torch.is_tensor(kl) else torch.zeros_like(policy)
         self.rows.append(torch.stack([g.float().pow(2).sum() for g in (policy, position, velocity, kl)]))
 
-    def ratios(self, kl_weight: float, region: TrustRegion) -> dict[str, float] | None:
+    def ratios(self, kl_weight: float, region: TrustRegionConfig) -> dict[str, float] | None:
         """|lambda sum grad KL| / |sum grad policy| in total ("") and per term, over every rank; None when the
         policy term has no gradient (every advantage 0) or a gradient is not finite. Collective: every rank calls
         it."""
@@ -430,7 +325,7 @@ def micro_step_loss(
     advantages: torch.Tensor,
     valid: torch.Tensor,
     weight: float | torch.Tensor,
-    region: TrustRegion,
+    region: TrustRegionConfig,
     kl_weight: float,
     *,
     clip_range: float,
@@ -468,8 +363,7 @@ class Updater:
         self.seed = seed
         self.adapter = adapter
         self.config = update_config
-        self.trust = trust_config.region()
-        self.trust_config = trust_config
+        self.trust = trust_config
         self.controller = trust_config.controller()
         offload = trust_config.anchor_offload
         self.anchor = Anchor.snapshot(engine.module, offload=offload) if self.trust.needs_anchor else None

@@ -40,9 +40,10 @@ from sage_grpo.core import distributed
 from sage_grpo.core.errors import UserError
 from sage_grpo.core.grpo import group_advantages
 from sage_grpo.core.rewards.base import VideoBatch, weighted_total
+from sage_grpo.core.trust_region import TrustRegionConfig
 from sage_grpo.stages.engine import build_engine
 from sage_grpo.stages.rollout import SDEConfig, generate
-from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater
+from sage_grpo.stages.update import UpdateConfig, Updater
 
 from . import world
 from .model import train_used_weights

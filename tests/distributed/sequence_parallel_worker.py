@@ -19,9 +19,10 @@ from safetensors.torch import save_file
 from sage_grpo.core import distributed
 from sage_grpo.core.grpo import group_advantages
 from sage_grpo.core.models.tiny import tiny_hunyuan15, tiny_wan
+from sage_grpo.core.trust_region import TrustRegionConfig
 from sage_grpo.stages.engine import build_engine
 from sage_grpo.stages.rollout import SDEConfig, generate
-from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater
+from sage_grpo.stages.update import UpdateConfig, Updater
 
 PROMPTS = ["a red ball bouncing", "a blue car driving at night"]
 GROUP_SIZE = 2

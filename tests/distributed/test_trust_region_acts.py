@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sage_grpo.stages.update import TrustRegionConfig
+from sage_grpo.core.trust_region import TrustRegionConfig
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

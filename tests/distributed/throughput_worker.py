@@ -15,11 +15,12 @@ from sage_grpo.core import distributed
 from sage_grpo.core.grpo import group_advantages
 from sage_grpo.core.lora import LoraConfig, add_lora
 from sage_grpo.core.models.tiny import tiny_hunyuan15
+from sage_grpo.core.trust_region import TrustRegionConfig
 from sage_grpo.pipeline.checkpointer import Checkpointer
 from sage_grpo.pipeline.config import RunConfig
 from sage_grpo.stages.engine import build_engine
 from sage_grpo.stages.rollout import SDEConfig, generate
-from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater
+from sage_grpo.stages.update import UpdateConfig, Updater
 
 PROMPTS = ["a red ball bouncing", "a blue car driving at night"]
 REWARDS = [0.1, 0.9, 0.7, 0.2]

@@ -17,10 +17,11 @@ import torch
 from sage_grpo.core import distributed
 from sage_grpo.core.grpo import gaussian_mean_kl, group_advantages
 from sage_grpo.core.models.tiny import tiny_hunyuan15
+from sage_grpo.core.trust_region import TrustRegionConfig
 from sage_grpo.stages.anchor import Anchor
 from sage_grpo.stages.engine import build_engine
 from sage_grpo.stages.rollout import SDEConfig, generate, score_transition
-from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater
+from sage_grpo.stages.update import UpdateConfig, Updater
 
 PROMPTS = ["a red ball bouncing", "a blue car driving at night"]
 GROUP = 4

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from sage_grpo.core.grpo import group_advantages
+from sage_grpo.core.trust_region import TrustRegionConfig
 from sage_grpo.stages.rollout import SDEConfig, generate
-from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater
+from sage_grpo.stages.update import UpdateConfig, Updater
 from tests.helpers import LinearAdapter, SGDEngine
 
 pytestmark = pytest.mark.unit

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from sage_grpo.core.grpo import group_advantages
+from sage_grpo.core.trust_region import TrustRegionConfig
 from sage_grpo.stages.anchor import Anchor
 from sage_grpo.stages.rollout import SDEConfig, generate, score_transition
-from sage_grpo.stages.update import TrustRegionConfig, UpdateConfig, Updater
+from sage_grpo.stages.update import UpdateConfig, Updater
 from tests.helpers import LinearAdapter, SGDEngine
 
 pytestmark = pytest.mark.unit
