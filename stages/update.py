@@ -659,17 +659,3 @@ def timestep_weights(rollout, *, equalize: bool) -> torch.Tensor:
     if not equalize:
         return rollout.trained_steps.cpu().float()
     return rollout.sde_config.step_weights(rollout.sigmas.cpu())
-
-
-def timestep_gradient_norms(adapter, rollout, *, equalize: bool, samples: torch.Tensor | None = None):
-    """The norm of grad log pi summed over samples, per trained timestep, times S_t when ``equalize``: the quantity
-    the temporal gradient equalizer balances (the paper's claim, measured rather than assumed)."""
-    params = [p for p in adapter.transformer.parameters() if p.requires_grad]
-    weights = timestep_weights(rollout, equalize=equalize)
-    index = torch.arange(rollout.num_samples) if samples is None else torch.as_tensor(samples)
-    norms = {}
-    for t in torch.nonzero(rollout.trained_steps.cpu()).flatten().tolist():
-        step = score_transition(adapter, rollout, index, t)
-        grads = torch.autograd.grad(step.log_prob.sum() * float(weights[t]), params, allow_unused=True)
-        norms[t] = float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads if g is not None)))
-    return norms

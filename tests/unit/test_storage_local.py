@@ -23,10 +23,11 @@ from sage_grpo.core.storage import (
     CheckpointStore,
     RootClaimedError,
     StorageError,
-    _file_entry,
     load_tensors,
     load_torch,
 )
+from sage_grpo.core.storage import store as store_module
+from sage_grpo.core.storage.manifest import file_entry
 
 pytestmark = pytest.mark.unit
 
@@ -342,8 +343,8 @@ def unreachable_endpoint(store, monkeypatch) -> list[int]:
 
     monkeypatch.setattr(store.backend, "upload_files", failing_upload)
     clock = [1000.0]  # a fake clock that only sleeping advances
-    monkeypatch.setattr("sage_grpo.core.storage.time.monotonic", lambda: clock[0])
-    monkeypatch.setattr("sage_grpo.core.storage.time.sleep", lambda seconds: clock.__setitem__(0, clock[0] + seconds))
+    monkeypatch.setattr(store_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(store_module.time, "sleep", lambda seconds: clock.__setitem__(0, clock[0] + seconds))
     return calls
 
 
@@ -530,7 +531,7 @@ def test_the_manifest_is_refused_until_every_rank_reported_and_uploaded(tmp_path
         store.commit_manifest(1, reported, world_size=2, config_hash="c")
     # Rank 1 says it uploaded, but its file never reached this store (another node's local disk, say).
     rank1 = stage_rank(tmp_path, 1, 1)
-    reported[1] = [_file_entry(rank1 / relpath, relpath) for relpath in RANK_FILES[1]]
+    reported[1] = [file_entry(rank1 / relpath, relpath) for relpath in RANK_FILES[1]]
     with pytest.raises(CheckpointError, match="missing"):
         store.commit_manifest(1, reported, world_size=2, config_hash="c")
     assert store.list_steps() == [] and store.latest_step() is None
