@@ -66,16 +66,46 @@ def _expanded_size(node: object, memo: dict[int, int], open_nodes: set[int]) -> 
     return memo[key]
 
 
+# What YAML (and a terminal) takes for a line break: str.splitlines' set.
+_LINE_BREAKS = frozenset("\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029")
+
+
 def parse_override(text: str) -> tuple[list[str], object]:
-    """``a.b=1`` -> (["a", "b"], 1). The value is parsed as YAML, so numbers, booleans and lists keep their type."""
+    """``a.b=1`` -> (["a", "b"], 1). The value is parsed as YAML, so numbers, booleans and lists keep their type.
+    A value YAML would cut at a comment (``run.name=exp #3``) is taken literally, as the whole text after ``=``; one
+    holding a line break is refused (YAML would fold it, or read further keys from it)."""
     key, sep, raw = text.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise UserError(f"override {text!r} is not of the form key.sub=value")
+    if _LINE_BREAKS.intersection(raw):
+        raise UserError(f"override {key}: the value holds a line break; give it on one line")
     try:
         value = safe_load(raw, f"override {key}") if raw else ""
+        if _has_comment(raw):
+            value = raw
     except yaml.YAMLError:
         value = raw
     return key.split("."), value
+
+
+def _has_comment(text: str) -> bool:
+    """Whether a ``#`` in ``text`` starts a YAML comment (one outside every scalar), which loading would drop."""
+    if "#" not in text:
+        return False
+    spans, seen, pending = [], set(), [yaml.compose(text, Loader=yaml.SafeLoader)]
+    while pending:  # iterative and by identity: aliases share nodes, and nesting was bounded by safe_load
+        node = pending.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            spans.append((node.start_mark.index, node.end_mark.index))
+        elif isinstance(node, yaml.SequenceNode):
+            pending.extend(node.value)
+        else:
+            pending.extend(part for pair in node.value for part in pair)
+    hashes = (index for index, character in enumerate(text) if character == "#")
+    return any(not any(start <= index < end for start, end in spans) for index in hashes)
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
