@@ -7,6 +7,11 @@ run uses, so the output is checked by the same contract (one list per named dime
 and weighted the same way. Any failure of a call is fatal here (no retries, no failed-sample allowance): a check
 passes only if every sample is scored. Prints the dimensions with their effective weights, score ranges, seconds per
 video (the second call; the first, with warm-up, beside it) and peak memory.
+
+Then the reward's sensitivity: the same videos perturbed in what a generator can change without making a better
+video (the known VideoAlign hacks: more frames, another frame rate, resolution, over-exposure, oversaturation), and
+the mean change of the total and of each dimension per perturbation. A reward that rises under one of them can be
+gamed by it; the largest such rise of the total is named.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from sage_grpo.core import config_loading
 from sage_grpo.core.errors import UserError
 from sage_grpo.core.rewards import RewardSpec, VideoBatch
+from sage_grpo.core.rewards.simple import LUMA_WEIGHTS
 from sage_grpo.core.s3 import S3Config
 from sage_grpo.pipeline.config import load_run_config
 from sage_grpo.stages.ingest import DataConfig, ingest
-from sage_grpo.stages.score import Scorer, ScoringConfig
+from sage_grpo.stages.score import ScoredBatch, Scorer, ScoringConfig
 
 # Used when neither the config nor the caller says: small enough for a laptop CPU, long enough for temporal rewards.
 DEFAULT_FRAMES, DEFAULT_HEIGHT, DEFAULT_WIDTH, DEFAULT_FPS = 9, 64, 64, 24.0
@@ -98,12 +104,14 @@ def check_reward(
     device: str | None = None,
     seed: int = 0,
     out: Callable[[str], None] = print,
+    sensitivity: bool = True,
 ) -> int:
     """Check every reward of ``target`` (a config YAML, or one reward spec) and print what was found; returns 0.
 
     ``overrides``: ``key.sub=value`` for the config, or for the spec (``kwargs.banned=blood``, ``weights.safety=2``).
     ``data``: a prompt source replacing the config's. ``size``: replaces the configured video size. A reward that
     fails, returns a bad output or needs a prompt column the prompts lack raises a one-line UserError.
+    ``sensitivity``: also score the perturbed videos (``PERTURBATIONS``, one more call each).
     """
     if num_videos < 1:
         raise UserError(f"the number of videos must be >= 1, got {num_videos}")
@@ -120,7 +128,7 @@ def check_reward(
         f"(metadata columns: {', '.join(columns) or 'none'})"
     )
     for spec in found.specs:
-        report = _check_one(spec, videos, prompts, metadata, device, found.timeout_s)
+        report = _check_one(spec, videos, prompts, metadata, device, found.timeout_s, sensitivity)
         out("\n".join(report))
     return 0
 
@@ -179,6 +187,7 @@ def _check_one(
     metadata: list[dict] | None,
     device: str,
     timeout_s: float | None,
+    sensitivity: bool,
 ) -> list[str]:
     rss_before = _peak_rss_mb()
     if device.startswith("cuda"):
@@ -206,7 +215,108 @@ def _check_one(
         f"build {built:.2f} s, setup {set_up:.2f} s)",
         f"  memory      {memory}",
     ]
+    if sensitivity:
+        lines += sensitivity_lines(
+            {name: scorer.score(perturb(videos), prompts, metadata) for name, perturb in PERTURBATIONS.items()}, second
+        )
     return lines
+
+
+# Sensitivity
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _each(transform: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[VideoBatch], VideoBatch]:
+    return lambda videos: VideoBatch([transform(video) for video in videos], videos.fps)
+
+
+def _at_fps(factor: float) -> Callable[[VideoBatch], VideoBatch]:
+    return lambda videos: VideoBatch(list(videos.frames), videos.fps * factor)
+
+
+def _resized(factor: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    def resize(video: torch.Tensor) -> torch.Tensor:
+        height, width = (max(1, round(side * factor)) for side in video.shape[1:3])
+        channels_first = video.permute(0, 3, 1, 2).float()
+        resized = torch.nn.functional.interpolate(channels_first, size=(height, width), mode="bilinear")
+        return resized.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+
+    return resize
+
+
+def _exposed(factor: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda video: (video.float() * factor).round().clamp(0, 255).to(torch.uint8)
+
+
+def _saturated(factor: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Each pixel moved from its grey (BT.601 luma) by ``factor``: 0 is greyscale, 1 unchanged."""
+
+    def saturate(video: torch.Tensor) -> torch.Tensor:
+        pixels = video.float()
+        grey = (pixels @ pixels.new_tensor(LUMA_WEIGHTS))[..., None]
+        return (grey + factor * (pixels - grey)).round().clamp(0, 255).to(torch.uint8)
+
+    return saturate
+
+
+# name -> the same videos changed in one dimension a generator controls.
+PERTURBATIONS: dict[str, Callable[[VideoBatch], VideoBatch]] = {
+    "frames x2": _each(lambda video: video.repeat_interleave(2, dim=0)),  # each frame twice: same motion, longer
+    "frames /2": _each(lambda video: video[::2]),
+    "fps x2": _at_fps(2.0),
+    "fps /2": _at_fps(0.5),
+    "resolution x2": _each(_resized(2.0)),
+    "resolution /2": _each(_resized(0.5)),
+    "brightness x1.3": _each(_exposed(1.3)),
+    "brightness x0.7": _each(_exposed(0.7)),
+    "saturation x1.5": _each(_saturated(1.5)),
+    "saturation x0.5": _each(_saturated(0.5)),
+}
+
+
+GAMEABLE_FRACTION = 0.01
+
+
+def mean_change(perturbed: list[float | None], baseline: list[float | None]) -> float | None:
+    """The mean of perturbed - baseline over the videos scored both times; None when there are none."""
+    pairs = [(after, before) for after, before in zip(perturbed, baseline) if after is not None and before is not None]
+    return sum(after - before for after, before in pairs) / len(pairs) if pairs else None
+
+
+def sensitivity_lines(perturbed: dict[str, ScoredBatch], baseline: ScoredBatch) -> list[str]:
+    """A table: per perturbation the mean change of the total (when the reward weighs anything) and of each
+    dimension; then the perturbation that raises the total most, if any does."""
+    columns = {"total": baseline.total} if baseline.weights else {}
+    columns |= baseline.dimensions
+    changes = {
+        name: {
+            column: mean_change(scored.total if column == "total" else scored.dimensions[column], values)
+            for column, values in columns.items()
+        }
+        for name, scored in perturbed.items()
+    }
+    width = max(12, *(len(column) + 2 for column in columns))
+    header = "".join(f"{column:>{width}}" for column in columns)
+    lines = [
+        "  sensitivity mean change of each score on the same videos perturbed (none: not scored)",
+        f"    {'perturbation':<16}{header}",
+    ]
+    for name, row in changes.items():
+        lines.append(f"    {name:<16}" + "".join(f"{_signed(row[column]):>{width}}" for column in columns))
+    if "total" in columns:
+        # A rise counts when it exceeds 1% of the total's typical size: float noise (a mean over twice the frames,
+        # a resize) moves a score by ~1e-6 and games nothing.
+        scored = [abs(value) for value in baseline.total if value is not None]
+        floor = GAMEABLE_FRACTION * (sum(scored) / len(scored) if scored else 0.0)
+        gains = {name: row["total"] for name, row in changes.items() if (row["total"] or 0.0) > floor}
+        if gains:
+            worst = max(gains, key=gains.get)
+            lines.append(f"  gameable    {worst} raises the total by {gains[worst]:+.4g}")
+    return lines
+
+
+def _signed(value: float | None) -> str:
+    return "none" if value is None else f"{value:+.4g}"
 
 
 def _timed(call):

@@ -152,6 +152,12 @@ def _add_check_reward(subparsers) -> None:
     parser.add_argument("--size", metavar="FxHxW", help="frames x height x width (default: model.kwargs, else 9x64x64)")
     parser.add_argument("--device", help="device for the reward (default: cuda if available, else cpu)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-sensitivity",
+        dest="sensitivity",
+        action="store_false",
+        help="skip scoring perturbed copies (frames, fps, resolution, brightness, saturation)",
+    )
     parser.set_defaults(handler=_check_reward)
 
 
@@ -164,6 +170,7 @@ def _check_reward(args) -> int:
         size=args.size,
         device=args.device,
         seed=args.seed,
+        sensitivity=args.sensitivity,
     )
 
 

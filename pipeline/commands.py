@@ -90,15 +90,31 @@ def run_command(
     with retryable_signals():
         with contextlib.redirect_stdout(sys.stderr):
             config = _load_config(config_path, overrides)
-            setup_logging(verbosity)
-            from sage_grpo.pipeline.recipe import SageGRPORecipe
+            with _output_folder_held(config):
+                setup_logging(verbosity)
+                from sage_grpo.pipeline.recipe import SageGRPORecipe
 
-            recipe = SageGRPORecipe(config)
-            recipe.setup(resume=resume, fresh_start=fresh_start)
-            summary = recipe.train()
+                recipe = SageGRPORecipe(config)
+                recipe.setup(resume=resume, fresh_start=fresh_start)
+                summary = recipe.train()
         if _is_main():
             print(_summary_text(config, summary), flush=True)
         return summary.exit_code
+
+
+@contextlib.contextmanager
+def _output_folder_held(config: RunConfig):
+    """``run.output_dir`` held by the run's rank 0 for the run's life (``core.output_lock``): a second run on it is
+    refused in one line before anything loads."""
+    from sage_grpo.core.output_lock import OutputFolderLock
+
+    lock = OutputFolderLock(config.output_dir)
+    if int(os.environ.get("RANK", 0)) == 0:  # before the process group exists: the launcher's variable says it
+        lock.acquire(config.run.name)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _summary_text(config: RunConfig, summary) -> str:
@@ -288,12 +304,22 @@ def check_reward_command(
     size: str | None,
     device: str | None,
     seed: int,
+    sensitivity: bool = True,
 ) -> int:
     """Builds a reward and scores synthetic videos with real prompts; ``size`` as ``FxHxW``."""
     from sage_grpo.pipeline.check_reward import check_reward, parse_size
 
     video_size = parse_size(size) if size else None
-    return check_reward(target, overrides, data=data, num_videos=num_videos, size=video_size, device=device, seed=seed)
+    return check_reward(
+        target,
+        overrides,
+        data=data,
+        num_videos=num_videos,
+        size=video_size,
+        device=device,
+        seed=seed,
+        sensitivity=sensitivity,
+    )
 
 
 def serve_reward_command(
