@@ -6,6 +6,10 @@ updates) and as sanity signals next to learned rewards; none of them judges prom
 
 from __future__ import annotations
 
+from typing import Annotated
+
+from pydantic import Field, validate_call
+
 from sage_grpo.core.lazy import lazy_module
 
 from .base import Scores, VideoBatch
@@ -27,9 +31,11 @@ class Brightness:
     randomly initialised video model to find.
     """
 
-    def __init__(self, target: float = 1.0):
-        if not 0.0 <= target <= 1.0:
-            raise ValueError(f"target must be in [0, 1], got {target}")
+    # The range is in the signature, so a config's kwargs are checked against it when the config is read (the
+    # reward registry validates kwargs by their annotations), before DeepSpeed or a model loads; validate_call holds
+    # direct construction to the same range.
+    @validate_call
+    def __init__(self, target: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0):
         self.target = target
         self.luma = torch.tensor(LUMA_WEIGHTS)
 

@@ -121,8 +121,10 @@ def test_reward_specs_are_resolved_and_bound_when_the_config_is_validated(spec, 
 
 
 def test_a_kwargs_value_the_constructor_rejects_is_a_one_line_user_error():
-    with pytest.raises(UserError, match=r"^reward 'brightness': target must be in \[0, 1\], got 5$"):
-        build_reward(RewardSpec(name="brightness", kwargs={"target": 5}))
+    # remote checks batch_size in its constructor only (brightness's range is in its signature: checked at config
+    # time, tests/unit/test_reward_kwarg_ranges.py).
+    with pytest.raises(UserError, match=r"^reward 'remote': remote reward needs batch_size >= 1"):
+        build_reward(RewardSpec(name="remote", kwargs={"url": "http://127.0.0.1:1", "batch_size": 0}))
 
 
 # ----------------------------------------------------------------------------------------------------------------
