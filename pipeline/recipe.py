@@ -25,7 +25,7 @@ import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from sage_grpo.core import distributed
-from sage_grpo.core.errors import RETRYABLE_EXIT_CODE, RetryableStop, out_of_space
+from sage_grpo.core.errors import RETRYABLE_EXIT_CODE, RetryableStop, UserError, out_of_space
 from sage_grpo.core.export import STAGING_FOLDER
 from sage_grpo.core.files import atomic_write_text, make_writable_folder, remove_abandoned
 from sage_grpo.core.lora import add_lora
@@ -40,7 +40,7 @@ from sage_grpo.pipeline.signals import preemption_signals
 from sage_grpo.stages import evaluate as evaluation
 from sage_grpo.stages.engine import build_engine
 from sage_grpo.stages.ingest import CachedEmbeddings, EmbeddingCache, PromptSampler, ingest
-from sage_grpo.stages.rollout import SDEConfig, generate
+from sage_grpo.stages.rollout import SDEConfig, check_every_trained_expert_trains, generate, trained_steps
 from sage_grpo.stages.score import Scorer, reward_metrics
 from sage_grpo.stages.update import Updater, compute_advantages
 
@@ -532,23 +532,38 @@ def build_policy(config: RunConfig) -> Policy:
         config.model.name,
         guidance_scale=config.model.guidance_scale,
         dtype=getattr(torch, config.model.dtype),
+        **config.model.expert_arguments(),
         **kwargs,
     )
-    if config.lora.enabled:
-        add_lora(adapter.transformer, config.lora)
-    else:
-        adapter.transformer.requires_grad_(True)
+    adapter.transformer.requires_grad_(False)  # what trainable_modules leaves out (an untrained expert) stays frozen
+    for module in adapter.trainable_modules():
+        if config.lora.enabled:
+            add_lora(module, config.lora)
+        else:
+            module.requires_grad_(True)
     if distributed.sequence_mesh() is not None:  # after LoRA: its layers wrap modules the split hooks sit on
         adapter.enable_sequence_parallel(distributed.sequence_mesh())
     engine = build_engine(
         adapter.transformer,
         config.update,
-        accumulation_steps=config.accumulation_steps,
+        accumulation_steps=_accumulation_steps(config, adapter),
         deepspeed_config_name=config.deepspeed.config,
         bf16=config.deepspeed.use_bf16(),
         zero3_leaf_modules=config.deepspeed.zero3_leaf_modules,
     )
     return Policy(adapter, engine, Updater(engine, adapter, config.update, config.trust_region, seed=config.seed))
+
+
+def _accumulation_steps(config: RunConfig, adapter) -> int:
+    """``config.accumulation_steps`` on the model's own schedule, counting only the steps of the experts that train
+    (two-expert Wan 2.2 with ``model.train_experts``), which only the built model knows."""
+    sigmas = adapter.sigma_schedule(config.sde.steps, config.sde.shift).cpu()
+    try:
+        check_every_trained_expert_trains(config.sde, adapter, sigmas)
+        steps = int(trained_steps(config.sde, adapter, sigmas).sum())
+        return config.update.accumulation_steps(config.rollout.samples_per_rank, steps)
+    except ValueError as error:
+        raise UserError(str(error)) from None
 
 
 def _numel(param: torch.nn.Parameter) -> int:

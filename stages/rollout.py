@@ -161,7 +161,7 @@ class Rollout:
     sigmas: torch.Tensor  # [T+1] float32, from 1 to 0; CPU (each step moves its two values to the model's device)
     step_etas: torch.Tensor  # [T] float64 (exactly the config's eta), 0 on deterministic steps; CPU
     stds: torch.Tensor  # [T] float32, the noise std of each step; 0 on deterministic steps; CPU
-    trained_steps: torch.Tensor  # [T] bool, CPU: ``SDEConfig.trained_steps_mask`` of this schedule
+    trained_steps: torch.Tensor  # [T] bool, CPU: ``trained_steps`` (the config's mask, the trained experts' steps)
     prompt_index: torch.Tensor  # [N] long: position of the sample's prompt in ``prompts`` (its group)
     group_ids: torch.Tensor  # [N] long: the caller's id of that group, part of the sample's seed
     member_index: torch.Tensor  # [N] long: 0..G-1 within the group
@@ -169,6 +169,8 @@ class Rollout:
     log_probs: torch.Tensor  # [N, T]: log-density of each recorded transition; 0 on deterministic steps
     videos: torch.Tensor | None  # [N, F, H, W, 3] uint8, or None when not decoded
     batches: list[torch.Tensor]  # the sample indices of each transformer batch, in order
+    # [T] long, CPU: the expert (``adapter.expert_names``) that made each step; every scorer runs the same one
+    experts: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -228,6 +230,7 @@ def generate(
 
     sigmas = adapter.sigma_schedule(sde_config.steps, sde_config.shift).cpu()
     stds = sde_config.noise_stds(sigmas)  # raises on a NaN std: never a silently untrained step
+    trained = trained_steps(sde_config, adapter, sigmas)
     step_etas = sde_config.step_etas()
     if embeddings is None:  # callers with an embedding cache pass the prompts' embeddings in
         embeddings = adapter.encode_prompts(prompts)
@@ -267,7 +270,7 @@ def generate(
         sigmas=sigmas,
         step_etas=torch.tensor(step_etas, dtype=torch.float64),
         stds=stds.float(),
-        trained_steps=stds > 0,
+        trained_steps=trained,
         prompt_index=prompt_index,
         group_ids=group_ids,
         member_index=member_index,
@@ -275,7 +278,26 @@ def generate(
         log_probs=torch.cat([c["log_probs"] for c in chains]),
         videos=videos,
         batches=batches,
+        experts=adapter.expert_index(sigmas[:-1]),
     )
+
+
+def trained_steps(sde_config: SDEConfig, adapter: VideoModelAdapter, sigmas: torch.Tensor) -> torch.Tensor:
+    """[T] bool, the steps the update trains: ``SDEConfig.trained_steps_mask`` on the model's ``sigmas``, less the
+    steps of an expert the update does not train (two-expert Wan 2.2 with ``model.train_experts``)."""
+    return sde_config.trained_steps_mask(sigmas) & adapter.trained_expert_steps(sigmas)
+
+
+def check_every_trained_expert_trains(sde_config: SDEConfig, adapter: VideoModelAdapter, sigmas: torch.Tensor) -> None:
+    """ValueError when an expert the update trains has no trained step in this schedule: it would take AdamW steps on
+    zero gradients (weight decay only), which no one asked for."""
+    trained, experts = trained_steps(sde_config, adapter, sigmas), adapter.expert_index(sigmas[:-1])
+    for index, name in enumerate(adapter.expert_names):
+        if name in adapter.trained_experts and not trained[experts == index].any():
+            raise ValueError(
+                f"the {name!r} expert is trained (model.train_experts) but no trained step of this schedule is its "
+                f"(sde.window {sde_config.window}): leave it out of model.train_experts"
+            )
 
 
 def _denoise(adapter, embeddings, generators, sigmas, step_etas, variant, on_step) -> dict[str, torch.Tensor]:
@@ -335,6 +357,7 @@ def score_transition(
     else:
         steps, eta = t, float(rollout.step_etas[t])
         sigma, sigma_next = _step_sigmas(rollout.sigmas, t, len(samples), rollout.latents.device)
+    _check_expert(adapter, rollout, t, sigma)
     x = rollout.latents[on_device, steps]
     # A view: a node of its own, so differentiating a loss with respect to the velocity stops there and never runs
     # the hooks DeepSpeed or torch attach to the network's output tensor.
@@ -348,6 +371,19 @@ def score_transition(
         eta,
         prev_sample=rollout.latents[on_device, steps + 1],
     )
+
+
+def _check_expert(adapter: VideoModelAdapter, rollout: Rollout, t: int | torch.Tensor, sigma: torch.Tensor) -> None:
+    """The transition is scored by the expert that made it: the adapter picks by sigma, so this holds unless the
+    model's expert boundary changed since the rollout, which must not pass silently."""
+    if rollout.experts is None:
+        return
+    recorded = rollout.experts[t]
+    if not (adapter.expert_index(sigma) == recorded).all():
+        raise ValueError(
+            f"steps {torch.as_tensor(t).unique().tolist()} were made by expert(s) {recorded.unique().tolist()} of "
+            f"{list(adapter.expert_names)}, the model now picks others: its expert boundary changed since the rollout"
+        )
 
 
 def recompute_log_probs(

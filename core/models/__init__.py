@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..components import check_arguments, check_resolvable, check_signature_names, resolve
 from .base import PromptEmbeddings, VideoModelAdapter
@@ -22,6 +22,7 @@ _REGISTRY = {
     "wan": "sage_grpo.core.models.wan:WanAdapter.from_pretrained",
     "tiny-hunyuan15": "sage_grpo.core.models.tiny:tiny_hunyuan15",
     "tiny-wan": "sage_grpo.core.models.tiny:tiny_wan",
+    "tiny-wan22": "sage_grpo.core.models.tiny:tiny_wan22",
 }
 
 
@@ -35,6 +36,10 @@ class ModelConfig(BaseModel):
     pretrained: str | None = None  # local directory or hub id, for the real models
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     guidance_scale: float = Field(1.0, ge=1.0, le=100.0, allow_inf_nan=False)
+    # Two-expert Wan 2.2 (A14B) only: the low-noise expert's CFG scale (None: guidance_scale, as in WanPipeline) and
+    # the experts the update trains (None: both; an expert left out stays frozen and its steps are not trained).
+    guidance_scale_2: float | None = Field(None, ge=1.0, le=100.0, allow_inf_nan=False)
+    train_experts: list[Literal["high", "low"]] | None = Field(None, min_length=1)
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("name")
@@ -57,6 +62,7 @@ class ModelConfig(BaseModel):
         if pretrained and not needs_weights:
             raise ValueError(f"model {name!r} builds its own weights: model.pretrained does not apply")
         supplied = {"guidance_scale": info.data["guidance_scale"], "dtype": info.data["dtype"]}
+        supplied |= {key: info.data[key] for key in EXPERT_KEYS if info.data.get(key) is not None}
         if needs_weights:
             supplied |= {"path_or_hub_id": pretrained, "device": "cpu"}
         reserved = sorted(set(kwargs) & set(supplied))
@@ -64,6 +70,24 @@ class ModelConfig(BaseModel):
             raise ValueError(f"{reserved[0]!r} is set by the model section itself, not by its kwargs")
         check_arguments(factory, kwargs, f"model {name!r}", supplied=supplied)
         return kwargs
+
+
+    @model_validator(mode="after")
+    def _experts_accepted(self) -> ModelConfig:
+        """The two-expert keys need a factory that takes them, also when no kwargs are given (``_bindable`` then
+        does not run)."""
+        if self.expert_arguments():
+            factory = resolve(self.name, _REGISTRY, "model")
+            check_arguments(factory, {}, f"model {self.name!r} (two-expert keys)", supplied=self.expert_arguments())
+        return self
+
+    def expert_arguments(self) -> dict[str, Any]:
+        """The two-expert keys that are set, as the factory's keyword arguments (a factory without them is refused
+        when the config is validated)."""
+        return {key: getattr(self, key) for key in EXPERT_KEYS if getattr(self, key) is not None}
+
+
+EXPERT_KEYS = ("guidance_scale_2", "train_experts")
 
 
 def sequence_layout(config: ModelConfig) -> tuple[int, int] | None:

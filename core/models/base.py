@@ -82,6 +82,24 @@ class VideoModelAdapter(ABC):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Final latents to uint8 videos [B, F, H, W, 3]."""
 
+    # The transformers ("experts") the model denoises with, numbered as ``expert_index`` numbers them, and those the
+    # update trains. One for every model but two-expert Wan 2.2 (``core.models.wan``).
+    expert_names: tuple[str, ...] = ("transformer",)
+    trained_experts: tuple[str, ...] = ("transformer",)
+
+    def expert_index(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The expert that denoises at each noise level of ``sigma`` (any shape; a CPU long tensor alike)."""
+        return torch.zeros(sigma.shape, dtype=torch.long)
+
+    def trained_expert_steps(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """[T] bool for the steps of ``sigmas`` ([T+1]) whose expert the update trains."""
+        trained = torch.tensor([name in self.trained_experts for name in self.expert_names])
+        return trained[self.expert_index(sigmas[:-1])]
+
+    def trainable_modules(self) -> list[torch.nn.Module]:
+        """The modules whose weights train (LoRA is added to each): the trained experts, parts of ``transformer``."""
+        return [self.transformer]
+
     @property
     def fps(self) -> int:
         return 24

@@ -180,8 +180,9 @@ def tiny_hunyuan15(
     )
 
 
-def tiny_wan_pipeline(seed: int = 0) -> WanPipeline:
-    """WanPipeline (Wan 2.1 layout) with toy components and a byte-level T5 tokenizer."""
+def tiny_wan_pipeline(seed: int = 0, *, boundary_ratio: float | None = None) -> WanPipeline:
+    """WanPipeline (Wan 2.1 layout) with toy components and a byte-level T5 tokenizer; with ``boundary_ratio``, the
+    Wan 2.2 A14B layout: a second transformer of the same shape, other random weights, as ``transformer_2``."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
 
@@ -195,12 +196,15 @@ def tiny_wan_pipeline(seed: int = 0) -> WanPipeline:
             vocab_size=_BYT5_VOCAB, d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=2, is_encoder_decoder=False
         )
     )
+    transformer_2 = None if boundary_ratio is None else WanTransformer3DModel(**TINY_WAN_TRANSFORMER).eval()
     return WanPipeline(
         tokenizer=ByT5Tokenizer(),
         text_encoder=umt5.eval(),
         transformer=transformer.eval(),
         vae=vae.eval(),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+        transformer_2=transformer_2,
+        boundary_ratio=boundary_ratio,
     )
 
 
@@ -225,4 +229,33 @@ def tiny_wan(
         num_frames=num_frames,
         max_sequence_length=16,
         identity=f"tiny-wan-seed{seed}",
+    )
+
+
+def tiny_wan22(
+    guidance_scale: float = 1.0,
+    seed: int = 0,
+    *,
+    guidance_scale_2: float | None = None,
+    train_experts: list[str] | None = None,
+    boundary_ratio: float = 0.875,
+    height: int = 64,
+    width: int = 64,
+    num_frames: int = 9,
+    dtype: torch.dtype | None = None,  # None: float32
+    device: str | torch.device = "cpu",
+) -> WanAdapter:
+    """Tiny two-expert Wan 2.2 (the A14B layout, A14B's boundary 0.875 by default): latents as ``tiny_wan``'s."""
+    dtype = torch.float32 if dtype is None else dtype
+    pipeline = tiny_wan_pipeline(seed, boundary_ratio=boundary_ratio).to(device=device, dtype=dtype)
+    return WanAdapter(
+        pipeline,
+        guidance_scale=guidance_scale,
+        guidance_scale_2=guidance_scale_2,
+        train_experts=train_experts,
+        height=height,
+        width=width,
+        num_frames=num_frames,
+        max_sequence_length=16,
+        identity=f"tiny-wan22-seed{seed}",
     )

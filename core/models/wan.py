@@ -1,31 +1,70 @@
-"""Wan 2.1 / Wan 2.2 (TI2V-5B) text-to-video behind the adapter interface, built on diffusers' ``WanPipeline``.
+"""Wan 2.1 / Wan 2.2 text-to-video behind the adapter interface, built on diffusers' ``WanPipeline``.
 
-Two-expert Wan 2.2 checkpoints (A14B: ``transformer_2`` with a noise boundary) are refused: training them would mean
-two policies, one per noise range, which the rest of the pipeline does not model.
+Wan 2.2 A14B denoises with two transformers ("experts"): ``transformer`` (``high``) on the timesteps at or above
+``boundary_ratio * num_train_timesteps``, ``transformer_2`` (``low``) below, each with its own CFG scale
+(``guidance_scale``, ``guidance_scale_2``). The adapter picks the expert of every step by the pipeline's own rule
+(``WanPipeline.__call__``, diffusers 0.42), and trains them as one module (``WanExperts``), so one DeepSpeed engine
+partitions both under ZeRO-3 and one optimizer step per update applies both. Wan 2.1 and Wan 2.2 TI2V-5B have one
+transformer and train it alone.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
 
 from sage_grpo.core.lazy import lazy_module, no_grad
 
 from .base import DiffusersAdapter, PromptEmbeddings, frames_to_uint8
 
 if TYPE_CHECKING:
-    from diffusers import WanPipeline
+    from diffusers import WanPipeline, WanTransformer3DModel
 
 torch = lazy_module("torch", globals())
 
+# The experts by the names the config uses, in the order the adapter numbers them (``expert_index``); the pipeline's
+# component of each.
+EXPERTS = ("high", "low")
+PIPELINE_COMPONENTS = {"high": "transformer", "low": "transformer_2"}
+Expert = Literal["high", "low"]
+
+
+class WanExperts(torch.nn.Module):
+    """Wan 2.2 A14B's two transformers as one module: ``high`` (the pipeline's ``transformer``) and ``low``
+    (``transformer_2``). ``forward(expert=..., **inputs)`` runs the named one; under ZeRO-3 that gathers only its
+    parameters, and a backward reaches only its parameters."""
+
+    def __init__(self, high: WanTransformer3DModel, low: WanTransformer3DModel):
+        super().__init__()
+        self.high, self.low = high, low
+        # What the engine reads off a diffusers model: the blocks ZeRO-3 gathers whole, the width its buckets follow.
+        self._no_split_modules = list(high._no_split_modules or [])
+        self.config = high.config
+
+    def forward(self, *, expert: Expert, **inputs):
+        return self.expert(expert)(**inputs)
+
+    def expert(self, name: Expert) -> WanTransformer3DModel:
+        return getattr(self, name)
+
+    def enable_gradient_checkpointing(self) -> None:
+        for name in EXPERTS:
+            self.expert(name).enable_gradient_checkpointing()
+
 
 class WanAdapter(DiffusersAdapter):
-    """Text-to-video with Wan. CFG as in ``WanPipeline``: ``uncond + scale * (cond - uncond)`` when scale > 1."""
+    """Text-to-video with Wan. CFG as in ``WanPipeline``: ``uncond + scale * (cond - uncond)``, on for both experts
+    when ``guidance_scale`` > 1 (the pipeline decides by the high-noise scale alone); ``guidance_scale_2`` is the
+    low-noise expert's scale (None: ``guidance_scale``, as in the pipeline). ``train_experts`` names the experts the
+    update trains (None: all of them); the others stay frozen and their steps are not trained."""
 
     def __init__(
         self,
         pipeline: WanPipeline,
         *,
         guidance_scale: float = 5.0,
+        guidance_scale_2: float | None = None,
+        train_experts: Sequence[Expert] | None = None,
         height: int = 480,
         width: int = 832,
         num_frames: int = 81,
@@ -36,14 +75,19 @@ class WanAdapter(DiffusersAdapter):
     ):
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        if pipeline.transformer_2 is not None:
-            raise ValueError("two-expert Wan 2.2 (transformer_2) is not supported; use Wan 2.1 or Wan 2.2 TI2V-5B")
         source = identity or pipeline.config.get("_name_or_path")
         if not source:
             raise ValueError("a pipeline built in code needs identity=...: it names the text encoder in cache keys")
         self.pipeline = pipeline
-        self.transformer = pipeline.transformer
+        self.boundary_ratio = pipeline.config.get("boundary_ratio")
+        two_experts = _check_experts(pipeline, guidance_scale, guidance_scale_2, train_experts)
+        self.expert_names = EXPERTS if two_experts else ("transformer",)
+        self.trained_experts = tuple(train_experts or self.expert_names)
+        self.transformer = (
+            WanExperts(pipeline.transformer, pipeline.transformer_2) if two_experts else pipeline.transformer
+        )
         self.guidance_scale = float(guidance_scale)
+        self.guidance_scale_2 = float(guidance_scale if guidance_scale_2 is None else guidance_scale_2)
         # Wan ships a UniPC scheduler; only a flow-matching Euler config carries over to our sigma schedule.
         if isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler):
             self.scheduler_config = dict(pipeline.scheduler.config)
@@ -63,7 +107,8 @@ class WanAdapter(DiffusersAdapter):
         guidance_scale: float = 5.0,
         **kwargs,
     ) -> WanAdapter:
-        """Load a diffusers-format checkpoint, e.g. ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``."""
+        """Load a diffusers-format checkpoint, e.g. ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers`` or
+        ``Wan-AI/Wan2.2-T2V-A14B-Diffusers`` (two experts)."""
         from diffusers import AutoencoderKLWan, WanPipeline
 
         dtype = torch.bfloat16 if dtype is None else dtype
@@ -81,6 +126,20 @@ class WanAdapter(DiffusersAdapter):
 
     def patch_size(self) -> tuple[int, int, int]:
         return tuple(self.pipeline.transformer.config.patch_size)
+
+    def trainable_modules(self) -> list[torch.nn.Module]:
+        if len(self.expert_names) == 1:
+            return [self.transformer]
+        return [self.transformer.expert(name) for name in self.trained_experts]
+
+    def expert_index(self, sigma: torch.Tensor) -> torch.Tensor:
+        """``WanPipeline``'s rule: ``transformer`` where the timestep (float32 sigma x num_train_timesteps, the
+        scheduler's) is >= boundary_ratio x num_train_timesteps, ``transformer_2`` below."""
+        if len(self.expert_names) == 1:
+            return super().expert_index(sigma)
+        train_timesteps = self.pipeline.scheduler.config.num_train_timesteps
+        timestep = sigma.to(torch.float32) * train_timesteps
+        return (timestep < self.boundary_ratio * train_timesteps).long().cpu()
 
     @no_grad
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeddings:
@@ -109,7 +168,30 @@ class WanAdapter(DiffusersAdapter):
         *,
         module: torch.nn.Module | None = None,
     ) -> torch.Tensor:
+        """With two experts, each sample goes through the expert of its own sigma: the rollout's batches share one
+        sigma (one expert call); a forward batching several timesteps (``transitions_per_micro_step``) may call
+        both, high then low, the same order on every rank (ZeRO-3's gathers are collectives)."""
         model = self.transformer if module is None else module
+        if len(self.expert_names) == 1:
+            return self._guided_velocity(model, latents, sigma, embeddings, self.guidance_scale, {})
+        experts = self.expert_index(sigma)
+        velocity = None
+        for index, name in enumerate(self.expert_names):
+            chosen = torch.nonzero(experts == index).flatten()
+            if len(chosen) == 0:
+                continue
+            scale = self.guidance_scale if name == "high" else self.guidance_scale_2
+            if len(chosen) == len(experts):  # the whole batch: no gather, no scatter
+                return self._guided_velocity(model, latents, sigma, embeddings, scale, {"expert": name})
+            part = self._guided_velocity(
+                model, latents[chosen.to(latents.device)], sigma[chosen.to(sigma.device)],
+                embeddings.select(chosen), scale, {"expert": name},
+            )  # fmt: skip
+            velocity = part.new_empty((len(experts), *part.shape[1:])) if velocity is None else velocity
+            velocity[chosen.to(part.device)] = part
+        return velocity
+
+    def _guided_velocity(self, model, latents, sigma, embeddings, scale: float, expert: dict) -> torch.Tensor:
         device, dtype = self.device, self.dtype
         batch = latents.shape[0]
         conditions = self.cfg_conditions(embeddings)
@@ -120,11 +202,12 @@ class WanAdapter(DiffusersAdapter):
             timestep=self._timestep(sigma, hidden_states),
             encoder_hidden_states=torch.cat([c["prompt_embeds"] for c in conditions]),
             return_dict=False,
+            **expert,
         )[0].float()
         if branches == 1:
             return prediction
         cond, uncond = prediction.split(batch)
-        return uncond + self.guidance_scale * (cond - uncond)
+        return uncond + scale * (cond - uncond)
 
     def _timestep(self, sigma: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """sigma * 1000 per sample, repeated for every CFG branch; per token for Wan 2.2 TI2V (expand_timesteps)."""
@@ -147,3 +230,34 @@ class WanAdapter(DiffusersAdapter):
         std = torch.tensor(vae.config.latents_std, device=latents.device, dtype=latents.dtype).view(shape)
         video = vae.decode(latents * std + mean, return_dict=False)[0]
         return frames_to_uint8(self.pipeline.video_processor.postprocess_video(video, output_type="pt"))
+
+
+def _check_experts(
+    pipeline: WanPipeline,
+    guidance_scale: float,
+    guidance_scale_2: float | None,
+    train_experts: Sequence[str] | None,
+) -> bool:
+    """Whether the pipeline denoises with two experts; ValueError for a combination WanPipeline would not run as
+    configured (a setting it would silently ignore)."""
+    two_experts = pipeline.transformer_2 is not None
+    if two_experts and pipeline.config.get("boundary_ratio") is None:
+        raise ValueError("the pipeline has a transformer_2 but no boundary_ratio: WanPipeline would never run it")
+    if pipeline.transformer is None:
+        raise ValueError("the pipeline has no transformer (a Wan 2.2 low-noise expert alone is not supported)")
+    if not two_experts and (guidance_scale_2 is not None or train_experts is not None):
+        raise ValueError(
+            "guidance_scale_2 and train_experts apply to two-expert Wan 2.2 (A14B) only; this checkpoint has one "
+            "transformer"
+        )
+    if guidance_scale_2 is not None and guidance_scale_2 > 1.0 and guidance_scale <= 1.0:
+        raise ValueError(
+            f"guidance_scale_2={guidance_scale_2} with guidance_scale={guidance_scale}: WanPipeline turns CFG on "
+            "for both experts by guidance_scale > 1 alone, so the low-noise scale would be ignored"
+        )
+    unknown = set(train_experts or ()) - set(EXPERTS)
+    if unknown or (train_experts is not None and not train_experts):
+        raise ValueError(f"train_experts must name some of {list(EXPERTS)}, got {list(train_experts)}")
+    if train_experts is not None and len(set(train_experts)) != len(train_experts):
+        raise ValueError(f"train_experts names an expert twice: {list(train_experts)}")
+    return two_experts
