@@ -6,19 +6,26 @@ request (see ``wire``) -> ``{"dimensions": {...}}`` with every reward's raw, unw
 them). Each reward gets the request's prompt columns it takes (keyword arguments, as in process); a request lacking a
 column a reward requires is answered 422 naming it.
 
-A shared service that treats every request as untrusted data (``ServerSettings`` holds the bounds):
+A shared service that treats every request as untrusted data (``ServerSettings`` holds the bounds), served by
+uvicorn (HTTP/1.1 parsing by h11, one asyncio loop):
 - it binds loopback unless told otherwise, and never unpickles;
-- one asyncio loop receives every request, which must arrive whole (request line, headers and body) within
-  ``read_timeout_s``: an idle, trickling or unauthenticated client holds a coroutine and the bytes it sent, never a
-  worker; at most ``max_connections`` are open at once (one more is answered 503 at once);
+- a request must arrive whole (request line, headers and body) within ``read_timeout_s`` of its connection (or of
+  its first byte, on a kept-alive connection), else it is answered 408 and closed; an idle connection between
+  requests is closed after 5 s. An idle, trickling or unauthenticated client holds a connection and the bytes it
+  sent, never a worker or a thread;
+- at most ``max_connections_per_client`` connections are open from one address (one more is answered 503 and
+  closed at once, so one peer's idle sockets cannot crowd out the others) and ``max_connections`` over all (beyond,
+  uvicorn answers requests 503);
 - ``Content-Length`` is checked against ``max_body_mb`` before the body is read, and the bodies held (received or
   being scored) stay within ``workers x max_body_mb`` together (503 beyond);
 - with a token configured, ``/score`` needs ``Authorization: Bearer <token>`` (compared in constant time) before its
   body is read;
-- a whole request to score is handed to one of ``workers`` threads; with every one busy it is answered 503 at once
+- a whole request to score is decoded on one of ``workers`` threads; with every one busy it is answered 503 at once
   and the client retries; everything else (health, refusals) is answered on the loop;
 - every bad request is answered 4xx with one log line, never a traceback; a reward that raises answers 500 (the
   client retries).
+uvicorn has the server-wide bounds; the per-client limit and the whole-request deadline are ``_bounded_protocol``, a
+subclass of uvicorn's h11 protocol (uvicorn has neither).
 Rewards run one call at a time (GPU reward models are not thread-safe); requests that wait for the scorer together
 are merged into one batch of up to ``max_batch`` videos (the reward contract scores each video on its own, so merging
 changes no score) and each client gets its own slice back. A call that outlives ``request_timeout_s`` is abandoned
@@ -33,19 +40,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import hmac
-import http.client
-import io
 import json
 import logging
 import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler
 
+import uvicorn
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .. import config_loading
 from ..errors import UserError
@@ -76,7 +83,8 @@ class ServerSettings(BaseModel):
     read_timeout_s: float = Field(60.0, gt=0)  # to receive one whole request
     request_timeout_s: float = Field(600.0, gt=0)  # to score one request, waiting for the scorer included
     max_batch: int = Field(32, ge=1)  # videos per merged reward call (a bigger single request is scored alone)
-    max_connections: int = Field(512, ge=1)  # open at once, requests still arriving included
+    max_connections: int = Field(512, ge=1)  # open at once over all clients; beyond, requests are answered 503
+    max_connections_per_client: int = Field(64, ge=1)  # open at once from one address; one more is answered 503
     max_hung_calls: int = Field(2, ge=0)  # abandoned reward calls still running before the server stays unhealthy
     token_env: str | None = None  # environment variable holding the bearer token clients must send
     token_file: str | None = None  # or a file holding it (a mounted secret)
@@ -274,23 +282,10 @@ class _Refused(Exception):
         self.status = status
 
 
-_MAX_LINE = 65536  # a request or header line (http.server's own bound)
-_MAX_HEAD = 65536  # the request line and headers together
-
-
-async def _read_head(reader: asyncio.StreamReader) -> bytes:
-    """The request line and headers through the blank line that ends them, or what came before the client stopped."""
-    head = b""
-    while True:
-        try:
-            line = await reader.readline()
-        except ValueError:  # a line past the stream's limit
-            raise _Refused(431, f"a request or header line longer than {_MAX_LINE} bytes") from None
-        head += line
-        if len(head) > _MAX_HEAD:
-            raise _Refused(431, f"request line and headers longer than {_MAX_HEAD} bytes")
-        if line in (b"", b"\r\n", b"\n"):
-            return head
+_MAX_HEADERS = 100  # header fields in one request (http.client's bound)
+_MAX_HEAD = 65536  # the request line and headers together (h11 answers 400 beyond)
+_KEEP_ALIVE_S = 5  # an idle connection between two requests is closed after this (uvicorn's default)
+_SHUTDOWN_S = 5  # on SIGTERM, requests in flight get this long before they are cancelled
 
 
 def _check_token(headers, token: str | None) -> None:
@@ -315,216 +310,229 @@ def _declared_length(headers, limit: int) -> int:
     return length
 
 
-def _response(status: int, payload: dict) -> bytes:
-    """A whole HTTP/1.0 answer, for what is answered before (or instead of) a handler."""
-    body = json.dumps(payload).encode()
+def _json_response(status: int, payload: dict) -> Response:
+    # Every refusal closes the connection: the body of a refused request is never read, so it cannot carry another.
+    headers = {} if status < 400 else {"Connection": "close"} | ({"Retry-After": "1"} if status == 503 else {})
+    return JSONResponse(payload, status_code=status, headers=headers)
+
+
+def _raw_refusal(status: int, reason: str) -> bytes:
+    """A whole HTTP answer for the connection layer, which answers before (or instead of) any request."""
+    body = json.dumps({"error": reason}).encode()
     retry = "Retry-After: 1\r\n" if status == 503 else ""
     head = (
-        f"HTTP/1.0 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n{retry}"
-        f"Content-Length: {len(body)}\r\n\r\n"
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n{retry}"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     )
     return head.encode() + body
 
 
-class _Handler(BaseHTTPRequestHandler):
-    """Answers one request that has arrived whole: it reads the request from memory and writes its answer to memory
-    (the server's loop does the network I/O), so it never waits on a client."""
-
-    server: RewardHTTPServer
-    # Answer even a garbled request line with a status line (HTTP/0.9 answers have none; no client speaks it).
-    default_request_version = "HTTP/1.0"
-
-    @classmethod
-    def answer(cls, head: bytes, body: bytes, client: str, server: RewardHTTPServer) -> bytes:
-        try:
-            return cls((head, body), (client, 0), server).wfile.getvalue()
-        except Exception as error:  # noqa: BLE001 (a bug of ours costs one line and a 500, not the connection)
-            logger.error("answering a request from %s failed: %s", client, _one_line(error))
-            return _response(500, {"error": "internal error"})
-
-    def setup(self) -> None:
-        head, self.body = self.request
-        self.rfile, self.wfile = io.BytesIO(head), io.BytesIO()
-
-    def finish(self) -> None:  # the answer stays in wfile for the server to send
-        pass
-
-    def do_GET(self):
-        if self.path != "/health":
-            return self._refuse(404, f"no such path {self.path}")
-        problem = self.server.batcher.problem
-        self._reply(
-            200 if problem is None else 503,
-            {
-                "status": "ok" if problem is None else "unhealthy",
-                "rewards": self.server.batcher.service.names(),
-                "max_body_bytes": self.server.settings.max_body_bytes,
-            }
-            | ({} if problem is None else {"reason": problem}),
-        )
-
-    def do_POST(self):
-        try:
-            if self.path != "/score":
-                raise _Refused(404, f"no such path {self.path}")
-            _check_token(self.headers, self.server.token)
-            length = _declared_length(self.headers, self.server.settings.max_body_bytes)
-            if len(self.body) < length:  # the client stopped sending
-                raise _Refused(408, f"body not received ({len(self.body)} of {length} bytes)")
-            if self.server.batcher.problem is not None:
-                raise _Refused(503, f"cannot score now: {self.server.batcher.problem}")
-            request = decode_request(self.body)
-            self.server.batcher.service.check_columns(request.columns)
-        except _Refused as refusal:
-            return self._refuse(refusal.status, str(refusal))
-        except BadRequest as error:
-            return self._refuse(400, f"bad request: {error}")
-        except UserError as error:  # well-formed, but a reward needs a prompt column the request does not carry
-            return self._refuse(422, str(error))
-        self._score(request)
-
-    def _score(self, request: ScoringRequest) -> None:
-        videos = request.videos
-        future = self.server.batcher.submit(request)
-        timeout = self.server.settings.request_timeout_s
-        try:
-            dimensions = future.result(timeout=timeout)
-        except (FutureTimeout, CannotScore) as error:
-            future.cancel()  # still queued: never scored; already running: its result is dropped
-            reason = str(error) or f"scoring did not finish within {timeout:g} s"
-            logger.error("scoring %d videos: %s", len(videos), reason)
-            return self._reply(503, {"error": reason})
-        except Exception as error:  # noqa: BLE001 (a failing reward: the server's problem, one line, retried)
-            message = _one_line(error)
-            logger.error("scoring %d videos failed: %s", len(videos), message)
-            logger.debug("scoring failure", exc_info=error)
-            return self._reply(500, {"error": message})
-        self._send(200, encode_response(dimensions))
-
-    def _refuse(self, status: int, reason: str) -> None:
-        self._log_refusal(status, reason)
-        self._reply(status, {"error": reason})
-
-    def _log_refusal(self, status: int, reason: str) -> None:
-        path = ascii((self.path or "-")[:100])[1:-1]  # escaped: a path must not write control characters into the log
-        logger.warning(
-            "refused %s %s from %s: %d %s", self.command or "-", path, self.client_address[0], status, reason
-        )
-
-    def _reply(self, status: int, payload: dict) -> None:
-        self._send(status, json.dumps(payload).encode())
-
-    def _send(self, status: int, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        if status == 503:
-            self.send_header("Retry-After", "1")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_error(self, format, *args):  # http.server's own refusals (bad request line, headers): one line
-        logger.warning("refused request from %s: %s", self.client_address[0], format % args)
-
-    def log_message(self, format, *args):  # every answered request; the refusals are logged above
-        logger.debug(format, *args)
+def _log_refusal(client: str, status: int, reason: str, method: str = "", path: str = "") -> None:
+    shown = f"{method} {ascii(path[:100])[1:-1]}" if method else "request"  # escaped: no control characters in logs
+    logger.warning("refused %s from %s: %d %s", shown, client, status, reason)
 
 
-class RewardHTTPServer:
-    """Receives requests on one asyncio loop and answers them with ``_Handler``; see the module docstring."""
+class RewardApp:
+    """The ASGI application: ``GET /health`` and ``POST /score``, on the server's one event loop.
 
-    def __init__(self, address: tuple[str, int], batcher: Batcher, settings: ServerSettings):
-        self.token = read_secret(settings.token_env, settings.token_file, what="reward server token")
-        self.batcher, self.settings = batcher, settings
-        self.socket = socket.create_server(address, backlog=128)
-        self.server_address = self.socket.getsockname()
-        self._pool = ThreadPoolExecutor(settings.workers, thread_name_prefix="reward-http")
+    A request's head is checked (path, header count, token, ``Content-Length``) before its body is read; the body is
+    counted against ``workers x max_body_mb`` while it is held; decoding runs on one of ``workers`` threads and
+    scoring in the batcher's, so the loop only moves bytes.
+    """
+
+    def __init__(self, batcher: Batcher, settings: ServerSettings, token: str | None):
+        self.batcher, self.settings, self.token = batcher, settings, token
+        self._decoders = ThreadPoolExecutor(settings.workers, thread_name_prefix="reward-decode")
         # Touched by the loop's thread only.
-        self._connections = self._scoring = self._held_bytes = 0
+        self._scoring = self._held_bytes = 0
 
-    def serve_forever(self) -> None:
-        asyncio.run(self._serve())
-
-    def server_close(self) -> None:
-        self.socket.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    async def _serve(self) -> None:
-        server = await asyncio.start_server(self._connection, sock=self.socket, limit=_MAX_LINE + 2, backlog=128)
-        async with server:
-            await server.serve_forever()
-
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        client = (writer.get_extra_info("peername") or ("-",))[0]
-        self._connections += 1
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":  # lifespan is off and there is no websocket route
+            return
+        request = Request(scope, receive)
+        client = (scope.get("client") or ("-",))[0]
         try:
-            if self._connections > self.settings.max_connections:
-                answer = self._refusal(client, 503, f"all {self.settings.max_connections} connections are open")
-            else:
-                answer = await self._answer(reader, client)
-            writer.write(answer)
-            async with asyncio.timeout(self.settings.read_timeout_s):  # a client that does not read its answer
-                await writer.drain()
-        except (OSError, TimeoutError) as error:
-            logger.warning("connection from %s failed: %s", client, _one_line(error))
-        finally:
-            self._connections -= 1
-            writer.close()
-
-    async def _answer(self, reader: asyncio.StreamReader, client: str) -> bytes:
-        settings, held, chunks = self.settings, 0, []
-        try:
-            async with asyncio.timeout(settings.read_timeout_s):
-                head = await _read_head(reader)
-                length = self._body_length(head)
-                while held < length and (chunk := await reader.read(min(length - held, 2**20))):
-                    held += len(chunk)
-                    self._held_bytes += len(chunk)
-                    chunks.append(chunk)
-                    if self._held_bytes > settings.workers * settings.max_body_bytes:
-                        raise _Refused(503, "the request bodies held reach workers x max_body_mb")
-            if not length:  # nothing to score: answered at once, here
-                return _Handler.answer(head, b"", client, self)
-            if self._scoring >= settings.workers:
-                raise _Refused(503, f"all {settings.workers} workers are busy")
-            self._scoring += 1
-            try:
-                body = b"".join(chunks)
-                chunks.clear()
-                loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(self._pool, _Handler.answer, head, body, client, self)
-            finally:
-                self._scoring -= 1
-        except TimeoutError:
-            return self._refusal(client, 408, f"request not received within {settings.read_timeout_s:g} s")
+            response = await self._answer(request)
         except _Refused as refusal:
-            return self._refusal(client, refusal.status, str(refusal))
+            _log_refusal(client, refusal.status, str(refusal), request.method, scope["path"])
+            response = _json_response(refusal.status, {"error": str(refusal)})
+        except ClientDisconnect:  # it stopped sending (the connection layer answered 408 if its deadline passed)
+            return
+        except Exception as error:  # noqa: BLE001 (a bug of ours costs one line and a 500, not the server)
+            logger.error("answering a request from %s failed: %s", client, _one_line(error))
+            response = _json_response(500, {"error": "internal error"})
+        await response(scope, receive, send)
+
+    async def _answer(self, request: Request) -> Response:
+        if len(request.scope["headers"]) > _MAX_HEADERS:
+            raise _Refused(431, f"more than {_MAX_HEADERS} header fields")
+        route = (request.method, request.scope["path"])
+        if route == ("GET", "/health"):
+            return self._health()
+        if route != ("POST", "/score"):
+            raise _Refused(404, f"no such path {request.scope['path']}")
+        _check_token(request.headers, self.token)
+        length = _declared_length(request.headers, self.settings.max_body_bytes)
+        held = 0
+        try:
+            chunks = []
+            async for chunk in request.stream():
+                held += len(chunk)
+                self._held_bytes += len(chunk)
+                chunks.append(chunk)
+                if self._held_bytes > self.settings.workers * self.settings.max_body_bytes:
+                    raise _Refused(503, "the request bodies held reach workers x max_body_mb")
+            if held < length:  # h11 ends a body only at its declared length; shorter is a client that left
+                raise ClientDisconnect()
+            return await self._score(b"".join(chunks))
         finally:
             self._held_bytes -= held
 
-    def _body_length(self, head: bytes) -> int:
-        """The body to read before answering: an authorized ``POST /score``'s valid Content-Length, else 0 (anything
-        else is answered from its head, and the body of a request that is refused is never read)."""
-        request_line, _, fields = head.partition(b"\n")
-        if request_line.split()[:2] != [b"POST", b"/score"]:
-            return 0
-        try:
-            headers = http.client.parse_headers(io.BytesIO(fields))
-            _check_token(headers, self.token)
-            return _declared_length(headers, self.settings.max_body_bytes)
-        except (http.client.HTTPException, _Refused):  # the handler answers what is wrong
-            return 0
+    def _health(self) -> Response:
+        problem = self.batcher.problem
+        payload = {
+            "status": "ok" if problem is None else "unhealthy",
+            "rewards": self.batcher.service.names(),
+            "max_body_bytes": self.settings.max_body_bytes,
+        }
+        return _json_response(200, payload) if problem is None else _json_response(503, payload | {"reason": problem})
 
-    @staticmethod
-    def _refusal(client: str, status: int, reason: str) -> bytes:
-        logger.warning("refused request from %s: %d %s", client, status, reason)
-        return _response(status, {"error": reason})
+    async def _score(self, body: bytes) -> Response:
+        if self.batcher.problem is not None:
+            raise _Refused(503, f"cannot score now: {self.batcher.problem}")
+        if self._scoring >= self.settings.workers:
+            raise _Refused(503, f"all {self.settings.workers} workers are busy")
+        self._scoring += 1
+        try:
+            request = await asyncio.get_running_loop().run_in_executor(self._decoders, self._decode, body)
+            return await self._scored(request)
+        finally:
+            self._scoring -= 1
+
+    def _decode(self, body: bytes) -> ScoringRequest:
+        try:
+            request = decode_request(body)
+        except BadRequest as error:
+            raise _Refused(400, f"bad request: {error}") from None
+        try:
+            self.batcher.service.check_columns(request.columns)
+        except UserError as error:  # well-formed, but a reward needs a prompt column the request does not carry
+            raise _Refused(422, str(error)) from None
+        return request
+
+    async def _scored(self, request: ScoringRequest) -> Response:
+        future = self.batcher.submit(request)
+        timeout = self.settings.request_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                # Cancelling the wrapper (the timeout) cancels the job: still queued, it is never scored.
+                dimensions = await asyncio.wrap_future(future)
+        except (TimeoutError, CannotScore) as error:
+            reason = str(error) or f"scoring did not finish within {timeout:g} s"
+            logger.error("scoring %d videos: %s", len(request.videos), reason)
+            return _json_response(503, {"error": reason})
+        except Exception as error:  # noqa: BLE001 (a failing reward: the server's problem, one line, retried)
+            message = _one_line(error)
+            logger.error("scoring %d videos failed: %s", len(request.videos), message)
+            logger.debug("scoring failure", exc_info=error)
+            return _json_response(500, {"error": message})
+        return Response(encode_response(dimensions), media_type="application/json")
+
+
+def _bounded_protocol(settings: ServerSettings) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol with the two bounds uvicorn does not have (it bounds connections over all clients,
+    ``limit_concurrency``, and idle time between requests, ``timeout_keep_alive``):
+
+    - connections per client address: one more than ``max_connections_per_client`` is answered 503 and closed at
+      once, so one peer's idle sockets cannot use up ``max_connections`` for everyone;
+    - a deadline for a whole request: from the connection (or the first byte of a kept-alive connection's next request)
+      until the body has arrived, ``read_timeout_s``; then 408 and the connection is closed. uvicorn restarts its only
+      timer on every byte, so a client sending half a head, or one byte a second, would be held forever.
+    """
+    open_from: collections.Counter[str] = collections.Counter()
+    warned: set[str] = set()  # clients at their limit, told once in the log until they are under it again
+
+    class BoundedH11Protocol(H11Protocol):
+        _counted = False
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            host = (transport.get_extra_info("peername") or ("-",))[0]
+            if open_from[host] >= settings.max_connections_per_client:
+                # Before uvicorn counts it: a refused connection must not count against max_connections either.
+                if host not in warned:
+                    warned.add(host)
+                    _log_refusal(
+                        host, 503, f"{open_from[host]} connections open (max_connections_per_client), closing more"
+                    )
+                transport.write(_raw_refusal(503, "too many connections from this address"))
+                transport.close()
+                return
+            super().connection_made(transport)
+            open_from[host] += 1
+            self._counted = True
+            self._arm_deadline()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if not self._counted:  # refused in connection_made: uvicorn never saw it
+                return
+            self._disarm_deadline()
+            host = self._host()
+            open_from[host] -= 1
+            if open_from[host] < settings.max_connections_per_client:
+                warned.discard(host)
+            if not open_from[host]:
+                del open_from[host]
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._deadline is None and (self.cycle is None or self.cycle.response_complete):
+                self._arm_deadline()  # the first bytes of a kept-alive connection's next request
+            super().data_received(data)
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete and not cycle.more_body:
+                self._disarm_deadline()  # the request is whole: request_timeout_s bounds its scoring
+
+        def send_400_response(self, msg: str) -> None:  # h11 could not parse the request
+            _log_refusal(self._host(), 400, "not a well-formed HTTP/1.1 request")
+            super().send_400_response(msg)
+
+        def _host(self) -> str:
+            return self.client[0] if self.client else "-"
+
+        def _arm_deadline(self) -> None:
+            self._deadline = self.loop.call_later(settings.read_timeout_s, self._request_too_slow)
+
+        def _disarm_deadline(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _request_too_slow(self) -> None:
+            self._deadline = None
+            if self.transport.is_closing():
+                return
+            if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
+                reason = f"request not received within {settings.read_timeout_s:g} s"
+                _log_refusal(self._host(), 408, reason)
+                self.transport.write(_raw_refusal(408, reason))
+            self.transport.close()  # a handler still reading the body gets http.disconnect and returns
+
+    return BoundedH11Protocol
+
+
+class _UvicornsInvalidRequestLine(logging.Filter):
+    """Drops uvicorn's own line for a request h11 cannot parse: ``send_400_response`` above logs it with the client."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Invalid HTTP request received."
 
 
 def serve(specs: list[RewardSpec], host: str, port: int, device: str, settings: ServerSettings | None = None) -> None:
-    """Build and set up the rewards, then serve until interrupted. Port 0 picks a free port; the chosen address is
-    printed as ``serving rewards on http://HOST:PORT`` once the server accepts connections."""
+    """Build and set up the rewards, then serve on uvicorn until interrupted. Port 0 picks a free port; the chosen
+    address is printed as ``serving rewards on http://HOST:PORT`` once the server accepts connections."""
     settings = settings or ServerSettings()
+    token = read_secret(settings.token_env, settings.token_file, what="reward server token")
 
     def build_service() -> RewardService:
         service = RewardService(specs)
@@ -533,18 +541,41 @@ def serve(specs: list[RewardSpec], host: str, port: int, device: str, settings: 
 
     batcher = Batcher(build_service, settings.max_batch, settings.request_timeout_s, settings.max_hung_calls)
     try:
-        server = RewardHTTPServer((host, port), batcher, settings)
+        listener = socket.create_server((host, port), backlog=2048)
     except OSError as error:  # port taken, or an address this machine does not have
         raise UserError(f"cannot listen on {host}:{port}: {error.strerror}") from None
-    auth = "token required" if server.token else "no token"
-    print(f"serving rewards on http://{host}:{server.server_address[1]}", flush=True)
-    logger.info("reward server: %d workers, bodies up to %g MB, %s", settings.workers, settings.max_body_mb, auth)
+    config = uvicorn.Config(
+        RewardApp(batcher, settings, token),
+        http=_bounded_protocol(settings),
+        ws="none",
+        lifespan="off",
+        interface="asgi3",
+        log_config=None,  # the process's own logging (the CLI's format) shows uvicorn's warnings
+        log_level="warning",
+        access_log=False,  # every refusal is logged once, by the app or the protocol above
+        proxy_headers=False,  # the client address is the peer's: a header must not choose whose limit applies
+        server_header=False,
+        limit_concurrency=settings.max_connections,
+        timeout_keep_alive=_KEEP_ALIVE_S,
+        timeout_graceful_shutdown=_SHUTDOWN_S,
+        h11_max_incomplete_event_size=_MAX_HEAD,
+    )
+    logging.getLogger("uvicorn.error").addFilter(_UvicornsInvalidRequestLine())
+    auth = "token required" if token else "no token"
+    print(f"serving rewards on http://{host}:{listener.getsockname()[1]}", flush=True)
+    logger.info(
+        "reward server on uvicorn: %d workers, bodies up to %g MB, %d connections per client, %s",
+        settings.workers,
+        settings.max_body_mb,
+        settings.max_connections_per_client,
+        auth,
+    )
     try:
-        server.serve_forever()
+        uvicorn.Server(config).run(sockets=[listener])
     except KeyboardInterrupt:
         pass
     finally:
-        server.server_close()
+        listener.close()
 
 
 class _ServedRewards(BaseModel):

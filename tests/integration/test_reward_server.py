@@ -277,11 +277,12 @@ MALFORMED = {  # name: (raw request, expected status)
     "negative length": (post(b"x", length=-5), 400),
     "no length": (post(b"x", length=""), 411),
     "length over the limit": (post(b"", length=10 * 2**30), 413),
-    "unknown path": (b"POST /admin HTTP/1.1\r\nContent-Length: 0\r\n\r\n", 404),
-    "unknown get": (b"GET /../../etc/passwd HTTP/1.1\r\n\r\n", 404),
+    "unknown path": (b"POST /admin HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", 404),
+    "unknown get": (b"GET /../../etc/passwd HTTP/1.1\r\nHost: x\r\n\r\n", 404),
     "garbage request line": (b"\x00\x01\x02 nonsense\r\n\r\n", 400),
     "tls to plain http": (bytes.fromhex("160301020001") + b"\r\n\r\n", 400),
-    "too many headers": (b"GET /health HTTP/1.1\r\n" + b"X: y\r\n" * 150 + b"\r\n", 431),
+    "too many headers": (b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X: y\r\n" * 150 + b"\r\n", 431),
+    "http/1.1 without host": (b"GET /health HTTP/1.1\r\n\r\n", 400),  # RFC 9112 3.2: 400
 }
 
 
