@@ -44,7 +44,7 @@ from huggingface_hub import save_torch_state_dict
 
 from sage_grpo.core import distributed
 from sage_grpo.core.errors import UserError
-from sage_grpo.core.files import file_sha256, fsync_tree, move_into_place, remove_abandoned
+from sage_grpo.core.files import file_sha256, fsync_tree, make_writable_folder, move_into_place, remove_abandoned
 from sage_grpo.core.lora import ADAPTER_NAME
 from sage_grpo.core.secrets import mask_tree
 
@@ -242,22 +242,27 @@ def check_replaceable(out_dir: str | Path) -> None:
     """UserError unless writing an export to ``out_dir`` deletes nothing but an earlier export: ``out_dir`` is absent,
     an empty folder, or a folder holding exactly an export's files, each matching the sha256 in its ``export.json``.
     Anything else there (other models, a run's output folder, a checkpoint root, an export with a file added or
-    changed) is someone's data, and replacing the folder would delete it."""
+    changed) is someone's data, and replacing the folder would delete it. The folder it goes in is created if absent
+    and must be writable: a read-only target, or one under a regular file, is refused before any model loads."""
     target = Path(out_dir)
+    problem = _replacement_problem(target)
+    if problem is not None:
+        raise UserError(
+            f"export target {target} {problem}: refusing to replace it (only an earlier export is replaced); "
+            "export to a new or empty folder"
+        )
+    make_writable_folder(target.parent, f"export target {target}: its folder")
+
+
+def _replacement_problem(target: Path) -> str | None:
+    """Why replacing ``target`` could delete someone's data, None when it holds nothing or an earlier export."""
     if not target.exists() and not target.is_symlink():
-        return
+        return None
     if target.is_symlink() or not target.is_dir():
-        problem = "is not a folder"
-    elif not any(target.iterdir()):
-        return
-    else:
-        problem = _not_an_export(target)
-        if problem is None:
-            return
-    raise UserError(
-        f"export target {target} {problem}: refusing to replace it (only an earlier export is replaced); "
-        "export to a new or empty folder"
-    )
+        return "is not a folder"
+    if not any(target.iterdir()):
+        return None
+    return _not_an_export(target)
 
 
 def _not_an_export(directory: Path) -> str | None:
