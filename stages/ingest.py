@@ -32,6 +32,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors import SafetensorError
 
+from sage_grpo.core.checkpoint_values import SamplerValues, values_problem
 from sage_grpo.core.errors import RetryableStop, UserError
 from sage_grpo.core.files import atomic_path
 from sage_grpo.core.lazy import lazy_module
@@ -457,6 +458,11 @@ class PromptSampler:
             "position": self.position,
             "carried_over": list(self.carried_over),
         }
+
+    @staticmethod
+    def state_problem(state: dict[str, Any], step: int) -> str | None:
+        """A position past the prompt set, or a carried-over index outside it (``core.checkpoint_values``)."""
+        return values_problem(SamplerValues, state, "sampler")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["num_prompts"] != self.num_prompts:
