@@ -12,7 +12,7 @@ import sys
 import tempfile
 from datetime import timedelta
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sage_grpo.core.errors import UserError
 from sage_grpo.core.files import remove_abandoned
@@ -116,16 +116,52 @@ def one_per_sequence_group(values_by_rank: list) -> list:
     return values_by_rank[:: sequence_parallel_size()]
 
 
+class LauncherEnvironment(BaseModel):
+    """What a launcher (torchrun, the deepspeed launcher, srun wrappers) tells each process in its environment,
+    checked where it is read, so a garbage value is one line naming the variable, not a traceback from ``int()``."""
+
+    model_config = ConfigDict(alias_generator=str.upper, frozen=True)
+
+    rank: int = Field(0, ge=0)
+    world_size: int = Field(1, ge=1)
+    local_rank: int = Field(0, ge=0)
+    local_world_size: int = Field(1, ge=1)
+    master_port: int = Field(29500, ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def _ranks_inside_their_worlds(self):
+        if self.rank >= self.world_size:
+            raise ValueError(f"RANK={self.rank} is not below WORLD_SIZE={self.world_size}")
+        if "local_world_size" in self.model_fields_set and self.local_rank >= self.local_world_size:
+            raise ValueError(f"LOCAL_RANK={self.local_rank} is not below LOCAL_WORLD_SIZE={self.local_world_size}")
+        return self
+
+
+def launcher_environment() -> LauncherEnvironment:
+    """The launcher's variables as set now (defaults for those unset); a bad one is a one-line UserError."""
+    given = {
+        field.alias: os.environ[field.alias]
+        for field in LauncherEnvironment.model_fields.values()
+        if field.alias in os.environ
+    }
+    try:
+        return LauncherEnvironment.model_validate(given)
+    except ValidationError as error:
+        problem = error.errors()[0]
+        named = "".join(f"{name}={given[name]!r}: " for name in problem["loc"] if name in given)
+        raise UserError(f"launcher environment: {named}{problem['msg'].removeprefix('Value error, ')}") from None
+
+
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    return dist.get_rank() if dist.is_initialized() else launcher_environment().rank
 
 
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    return dist.get_world_size() if dist.is_initialized() else launcher_environment().world_size
 
 
 def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", 0))
+    return launcher_environment().local_rank
 
 
 def is_main() -> bool:
@@ -141,7 +177,7 @@ def device() -> torch.device:
 def _ranks_share_a_gpu() -> bool:
     """More ranks on this node than GPUs (a check of the multi-rank path on a one-GPU machine): NCCL refuses two ranks
     on one device ("Duplicate GPU detected"), gloo does not."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()
+    return launcher_environment().local_world_size > torch.cuda.device_count()
 
 
 def init(timeout_minutes: float = 30.0) -> None:
@@ -150,6 +186,7 @@ def init(timeout_minutes: float = 30.0) -> None:
     so every code path is the same."""
     if dist.is_initialized():
         return
+    launcher_environment()  # a garbage RANK or MASTER_PORT is one line here, not a traceback inside torch
     import deepspeed
 
     from sage_grpo.core.ops_cache import (

@@ -21,9 +21,12 @@ Pass ``--signals-to-handle=SIGTERM,SIGINT,SIGUSR1`` so torchrun relays Slurm's p
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 
-from sage_grpo.core.errors import RETRYABLE_EXIT_CODE
+from sage_grpo.core.errors import RETRYABLE_EXIT_CODE, UserError, first_line
+
+PROG = "python -m sage_grpo.pipeline.launch"
 
 
 def exit_status(root_cause_exitcode: int | None, signalled: bool, retry_exit_code: int) -> int:
@@ -35,12 +38,31 @@ def exit_status(root_cause_exitcode: int | None, signalled: bool, retry_exit_cod
     return root_cause_exitcode if 0 < root_cause_exitcode < 128 else 1
 
 
+def torchrun_arguments(argv: list[str]):
+    """torchrun's arguments (its ``PET_*`` environment variables included) parsed and checked as its launch would
+    check them, before any worker starts; a bad one (``--nnodes abc``, ``PET_NPROC_PER_NODE=many``) is a one-line
+    UserError instead of torchrun's usage text or a traceback."""
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    def refuse(message: str):
+        raise UserError(message)
+
+    parser = get_args_parser()
+    parser.error = refuse  # argparse's default prints the whole usage, then exits
+    args = parser.parse_args(argv)
+    try:
+        config_from_args(copy.deepcopy(args))  # what run() builds its launch from: it only reads the arguments
+    except (ValueError, AssertionError) as error:
+        raise UserError(f"torchrun's arguments (or their PET_* variables): {first_line(error)}") from None
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import run
 
-    ours = argparse.ArgumentParser(prog="python -m sage_grpo.pipeline.launch", add_help=False, allow_abbrev=False)
+    ours = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False)
     ours.add_argument(
         "--retry-exit-code",
         type=int,
@@ -49,13 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     args, torchrun_argv = ours.parse_known_args(argv)
     try:
-        run(parse_args(torchrun_argv))
+        launch = torchrun_arguments(torchrun_argv)
+    except UserError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return UserError.exit_code
+    try:
+        run(launch)
     except ChildFailedError as error:
         _, failure = error.get_first_failure()
         return exit_status(failure.exitcode, False, args.retry_exit_code)
     except SignalException as error:
         print(
-            f"sage_grpo.pipeline.launch: stopped by {error.sigval.name}; workers were asked to checkpoint",
+            f"{PROG}: stopped by {error.sigval.name}; workers were asked to checkpoint",
             file=sys.stderr,
         )
         return exit_status(None, True, args.retry_exit_code)
