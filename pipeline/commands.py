@@ -51,7 +51,7 @@ def setup_logging(verbosity: int = 0) -> None:
     main_level = logging.INFO if verbosity >= 0 else logging.WARNING
     if verbosity < 0:
         os.environ[DISABLE_ENV] = "1"  # tqdm's own switch: read by core.progress, inherited by child processes
-    level = main_level if int(os.environ.get("RANK", 0)) == 0 else logging.WARNING
+    level = main_level if _is_main() else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # MLflow is imported where it is first used, after this; on import it would give its loggers its own handler at
