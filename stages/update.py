@@ -40,6 +40,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sage_grpo.core import distributed, flops, sde
+from sage_grpo.core.checkpoint_values import UpdaterValues, values_problem
+from sage_grpo.core.errors import UserError
 from sage_grpo.core.grpo import (
     Advantages,
     SurrogateTerms,
@@ -95,6 +97,9 @@ class UpdateConfig(BaseModel):
     advantage_clip: float = Field(5.0, gt=0)
     global_std: bool = False
     gradient_checkpointing: bool = False
+    # Stop the run (exit 2, no export or registration) once this many optimizer updates in a row were skipped for
+    # non-finite gradients: nothing trains any more, and a run that goes on would "complete" with an untrained policy.
+    max_skipped_updates: int = Field(3, ge=1)
 
     @model_validator(mode="after")
     def _decay_has_a_length(self) -> UpdateConfig:
@@ -378,6 +383,7 @@ class Updater:
         )
         self.updates_done = 0
         self.skipped_updates = 0
+        self.skipped_in_a_row = 0  # not checkpointed: a resumed run gets max_skipped_updates afresh
 
     # -- the recipe -----------------------------------------------------------------------------------------------
 
@@ -532,9 +538,17 @@ class Updater:
 
     def _after_update(self, minibatch: _Totals) -> int:
         """Bookkeeping once an optimizer update's micro-steps are done; returns 1 if DeepSpeed skipped it."""
-        if not self.engine.was_step_applied():
+        if not self.engine.was_step_applied():  # the same on every rank: DeepSpeed all-reduces its overflow check
             self.skipped_updates += 1
+            self.skipped_in_a_row += 1
+            if self.skipped_in_a_row >= self.config.max_skipped_updates:
+                raise UserError(
+                    f"the last {self.skipped_in_a_row} optimizer updates were all skipped for non-finite gradients "
+                    "(DeepSpeed's OVERFLOW): nothing trains, so the run stops without an export; check "
+                    "update.learning_rate and the rewards (update.max_skipped_updates sets the limit)"
+                )
             return 1
+        self.skipped_in_a_row = 0
         self.updates_done += 1
         ratios = minibatch.gradients.ratios(self.controller.value, self.trust) if minibatch.gradients.rows else None
         if ratios is not None:
@@ -584,6 +598,12 @@ class Updater:
         return metrics
 
     # -- state for checkpoints ----------------------------------------------------------------------------------------
+
+    def state_problem(self, state: dict, step: int) -> str | None:
+        """A value no update produces (``core.checkpoint_values``): lambda outside its range, a non-finite
+        measurement or shard, a counter below 0."""
+        lambda_range = (self.trust.kl_minimum or self.trust.kl_initial, self.trust.kl_maximum)
+        return values_problem(UpdaterValues, state, "updater", lambda_range=lambda_range)
 
     def state_dict(self) -> dict:
         return {
