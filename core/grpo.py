@@ -177,9 +177,9 @@ class AdaptiveKLController(_KLWeight):
         self.value = initial  # warm-up starts here; without warm-up, feedback starts here
         self.measurements: deque[float] = deque(maxlen=history)
 
-    def update(self, measured_kl: float, measured_ratio: float | None = None) -> float:
-        """Record one optimizer step's KL and return the weight to use for the next step (the gradient ratio is not
-        this controller's signal)."""
+    def update(self, measured_kl: float, measured_ratio: float | None = None, **reaches: float) -> float:
+        """Record one optimizer step's KL and return the weight to use for the next step (the gradient ratio and the
+        reaches are not this controller's signals)."""
         self.measurements.append(float(measured_kl))
         self.steps += 1
         if self.steps <= self.warmup_steps:
@@ -204,6 +204,12 @@ class GradientRatioController(_KLWeight):
     from the anchor, which is what a moving anchor is for, while the cycle's average strength is held at the target.
     An update without a measurement (None: a KL reference was just refreshed, so the KL and its gradient are 0 and
     say nothing about strength) leaves lambda as it is; so does a measured ratio of 0 (no KL gradient to scale).
+
+    The gain grows with how far the weights may be from the KL reference, which the learning rate sets. Given that
+    ``reach`` (``TrustRegionConfig.reach``: the summed learning rates of the updates since the reference was taken),
+    each gain is taken per unit of reach, and lambda is set for the next update's ``next_reach``: an lr warm-up or
+    decay then moves lambda as it goes (as 1 / lr) instead of through the window's lag. Both left at 1, the gain is
+    per update (a constant lr).
     """
 
     def __init__(self, *, initial: float, minimum: float, maximum: float, target: float, history: int):
@@ -216,12 +222,16 @@ class GradientRatioController(_KLWeight):
         self.value = initial
         self.measurements: deque[float] = deque(maxlen=history)  # log gains
 
-    def update(self, measured_kl: float, measured_ratio: float | None = None) -> float:
-        """Record one optimizer update's gradient ratio (measured at the current lambda) and return the next lambda."""
+    def update(
+        self, measured_kl: float, measured_ratio: float | None = None, *, reach: float = 1.0, next_reach: float = 1.0
+    ) -> float:
+        """Record one optimizer update's gradient ratio (measured at the current lambda and ``reach``) and return the
+        lambda for the next update (at ``next_reach``)."""
         self.steps += 1
-        if measured_ratio is None or not measured_ratio > 0 or not math.isfinite(measured_ratio):
+        if measured_ratio is not None and measured_ratio > 0 and math.isfinite(measured_ratio) and reach > 0:
+            self.measurements.append(math.log(measured_ratio / (self.value * reach)))
+        if not (self.measurements and next_reach > 0):
             return self.value
-        self.measurements.append(math.log(measured_ratio / self.value))
-        mean_log_gain = sum(self.measurements) / len(self.measurements)
+        mean_log_gain = sum(self.measurements) / len(self.measurements) + math.log(next_reach)
         self.value = min(max(self.target / math.exp(mean_log_gain), self.minimum), self.maximum)
         return self.value

@@ -7,6 +7,8 @@ trust region is, measured on every update, in ``stages/update.py`` (``OutputGrad
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from enum import Enum
 from typing import Any, Literal
 
@@ -123,6 +125,33 @@ class TrustRegionConfig(BaseModel):
         refreshes at the same updates as an uninterrupted one. A fixed anchor never refreshes.
         """
         return self.anchor_moves and updates_done > 0 and updates_done % self.anchor_interval == 0
+
+    def reference_taken(self, update: int) -> int:
+        """The update after which the KL reference of ``update`` (counted from 1) was taken; 0: the initial weights.
+        The position term's anchor when there is one (its gradient dominates: docs/algorithm.md), else the lagged
+        policy, the weights one update behind."""
+        if self.anchor_moves:
+            return (update - 1) // self.anchor_interval * self.anchor_interval
+        if self.uses_position_kl:
+            return 0
+        return max(update - 2, 0) if self.uses_stepwise_kl else update - 1
+
+    def reach(self, update: int, learning_rate: Callable[[int], float]) -> float:
+        """How far ``update``'s weights may be from its KL reference: the summed learning rates (``learning_rate`` of
+        an update counted from 1) of the updates applied since the reference was taken; 0 at the reference itself.
+        The KL's gradient grows with it, so the lambda controller measures its gain per unit of reach."""
+        return sum(learning_rate(u) for u in range(self.reference_taken(update) + 1, update))
+
+    def cycle_reach(self, update: int, learning_rate: Callable[[int], float]) -> float:
+        """The reach the controller sets ``update``'s lambda for. A moving anchor: the geometric mean of the reaches
+        of the measured updates of ``update``'s anchor cycle, so that the pull still grows with the distance within
+        the cycle while the cycle's mean ratio is held at the target; otherwise the update's own reach."""
+        if not self.anchor_moves:
+            return self.reach(update, learning_rate)
+        start = self.reference_taken(update)
+        reaches = [self.reach(u, learning_rate) for u in range(start + 2, start + self.anchor_interval + 1)]
+        positive = [math.log(r) for r in reaches if r > 0]
+        return math.exp(sum(positive) / len(positive)) if positive else 0.0
 
     def total_kl(self, position_kl, stepwise_kl):
         """position_weight * position KL + stepwise_weight * step-wise KL, over the terms the strategy uses."""

@@ -1,19 +1,21 @@
 """``sagegrpo preflight CONFIG``: what to run on the target node before spending GPU-hours.
 
 It builds the real run (model, rewards, DeepSpeed) through the recipe, in a scratch folder with tracking,
-checkpoints and publishing off, runs three short iterations (up to six, until a ratio-steered lambda has acted on a
-measurement) and judges what a first GPU run gets wrong:
+checkpoints and publishing off, runs at least three iterations (more until the trust region has been measured over a
+whole anchor cycle, see below) and judges what a first GPU run gets wrong:
 
 - the noise schedule: every step's noise std is finite and >= 0 for the configured variant, steps, shift and eta;
 - devices: the trainable weights and the rollout's tensors sit on the device the run expects;
 - rewards: every reward returns one score per video (none failed) and the total is finite;
 - on-policy: the first update recomputes the rollout's log-probs exactly (|log ratio| within 1e-5, so nothing clipped);
-- the trust region acts: the last measured ``update/kl_grad_ratio`` (the update-level |lambda grad KL| /
-  |grad policy|, at the run's own lambda: the first update starts at its KL references and is never measured, nor
-  is one after an anchor refresh, so the trial goes on until a second update is measured at the lambda the
-  ``calibrated`` preset's controller set from the first) lies in
-  [0.5, 2] x ``kl_ratio_target``, or, for a KL-steered lambda (``paper``), in the useful band 0.01-0.3 (the paper's
-  lambda gives ~1e-6: inert). Not applicable without a KL term;
+- the trust region acts: ``update/kl_grad_ratio`` (the update-level |lambda grad KL| / |grad policy|, at the run's
+  own lambda) over a whole anchor cycle: the trial runs until ``trust_region.anchor_interval`` updates (a moving
+  anchor's cycle; 3 for a reference that never refreshes) have followed the first measured update (the first update
+  starts at its KL references and is never measured, nor is one after an anchor refresh; the first measured one runs
+  at ``kl_initial``, before the controller has seen a measurement), and judges the geometric mean of their measured
+  ratios: in [0.5, 2] x ``kl_ratio_target`` for the ``calibrated`` preset, whose controller holds a cycle's mean (a
+  single update inside a cycle, or during an lr warm-up, may lie outside), or, for a KL-steered lambda (``paper``),
+  in the useful band 0.01-0.3 (the paper's lambda gives ~1e-6: inert). Not applicable without a KL term;
 - memory: peak GPU memory against ``sagegrpo plan``'s estimate for this config (on a GPU, for HunyuanVideo 1.5);
 - time: seconds per stage, and the projected wall time and GPU-hours of ``run.max_iterations``.
 
@@ -40,7 +42,8 @@ ON_POLICY_TOLERANCE = 1e-5
 KL_GRAD_RATIO_BAND = (0.01, 0.3)
 TARGET_FACTOR = 2.0
 TRIAL_ITERATIONS = 3
-MAX_TRIAL_ITERATIONS = 6
+# The judged window when the KL reference never refreshes (fixed anchor, velocity term only): no cycle to cover.
+WINDOW_WITHOUT_CYCLE = 3
 
 
 @dataclass
@@ -58,15 +61,16 @@ def preflight(config_path: str, overrides: list[str]) -> list[Check]:
     config = load_run_config(config_path, overrides)
     checks = [noise_schedule_check(config)]
     with tempfile.TemporaryDirectory(prefix="sagegrpo-preflight-") as scratch:
-        trial = load_run_config(config_path, [*overrides, *_trial_overrides(Path(scratch))])
+        trial_overrides = _trial_overrides(Path(scratch), trial_iterations(config))
+        trial = load_run_config(config_path, [*overrides, *trial_overrides])
         checks += _trial_checks(trial, config)
     return checks
 
 
-def _trial_overrides(scratch: Path) -> list[str]:
+def _trial_overrides(scratch: Path, iterations: int) -> list[str]:
     return [
         f"run.output_dir={scratch}",
-        f"run.max_iterations={MAX_TRIAL_ITERATIONS}",
+        f"run.max_iterations={iterations}",
         "tracking.enabled=false",
         f"checkpoint.uri={scratch / 'checkpoints'}",
         "eval.every=0",
@@ -112,12 +116,36 @@ def _trial_checks(trial: RunConfig, planned: RunConfig) -> list[Check]:
     ]
 
 
+def judged_window(config: RunConfig) -> int:
+    """How many updates after the first measured one the trust region is judged over: one anchor cycle."""
+    trust = config.trust_region
+    return trust.anchor_interval if trust.anchor_moves else WINDOW_WITHOUT_CYCLE
+
+
+def trial_iterations(config: RunConfig) -> int:
+    """The most trial iterations: the first measured update is update 2 (update 1 starts at its references), or 3
+    when the anchor refreshes after update 1; then one judged window."""
+    updates = 3 + judged_window(config)
+    return max(TRIAL_ITERATIONS, -(-updates // config.update.updates_per_rollout))
+
+
 def _trial_done(steps: list[dict[str, float]], trial: RunConfig) -> bool:
     if len(steps) < TRIAL_ITERATIONS:
         return False
-    steered = trial.trust_region.strategy != "none" and trial.trust_region.kl_feedback is KLFeedback.GRADIENT_RATIO
-    measured = sum("update/kl_grad_ratio" in step for step in steps)
-    return not steered or measured >= 2 or len(steps) >= MAX_TRIAL_ITERATIONS
+    if trial.trust_region.strategy == "none" or len(steps) >= trial_iterations(trial):
+        return True
+    measured = _measured(steps)
+    return bool(measured) and _updates(steps[-1], len(steps)) >= measured[0][0] + judged_window(trial)
+
+
+def _updates(metrics: dict[str, float], iteration: int) -> int:
+    """Updates applied by the end of this iteration (one per iteration when the metrics do not say)."""
+    return int(metrics.get("update/updates_done", iteration))
+
+
+def _measured(steps: list[dict[str, float]]) -> list[tuple[int, dict[str, float]]]:
+    """(the iteration's last update, its metrics) for each trial iteration with a measured gradient ratio."""
+    return [(_updates(s, i), s) for i, s in enumerate(steps, 1) if "update/kl_grad_ratio" in s]
 
 
 def _timed_step(recipe) -> dict[str, float]:
@@ -164,11 +192,12 @@ def on_policy_check(metrics: dict[str, float]) -> Check:
 
 
 def kl_ratio_check(steps: list[dict[str, float]], config: RunConfig) -> Check:
-    """The last measured update's gradient ratio at the lambda the run itself chose, against its band."""
+    """The geometric mean of the gradient ratios measured over one anchor cycle after the first measured update, at
+    the lambda the run itself chose, against its band."""
     trust = config.trust_region
     if trust.strategy == "none":
         return Check("trust region acts", None, "trust_region.strategy is none")
-    measured = [(i, s) for i, s in enumerate(steps, 1) if "update/kl_grad_ratio" in s]
+    measured = _measured(steps)
     if not measured:
         return Check(
             "trust region acts",
@@ -176,19 +205,32 @@ def kl_ratio_check(steps: list[dict[str, float]], config: RunConfig) -> Check:
             f"no update of {len(steps)} measured: each started at a just-refreshed KL reference "
             "(trust_region.anchor_interval 1?) or had no policy gradient (do the rewards differ within a group?)",
         )
-    iteration, metrics = measured[-1]
-    ratio, position, velocity = (
-        metrics.get(f"update/kl_grad_ratio{suffix}", 0.0) for suffix in ("", "/position", "/velocity")
-    )
+    first, window = measured[0][0], judged_window(config)
+    judged = [(update, s) for update, s in measured[1:] if update <= first + window]
+    if not judged:
+        return Check(
+            "trust region acts",
+            False,
+            f"only update {first} of {len(steps)} trial iterations measured, at the initial lambda: none at a lambda "
+            "the controller chose (trust_region.anchor_interval 2 leaves every other update unmeasured)",
+        )
+
+    def mean(suffix: str) -> float:
+        values = [s.get(f"update/kl_grad_ratio{suffix}", 0.0) for _, s in judged]
+        return math.exp(sum(map(math.log, values)) / len(values)) if all(v > 0 for v in values) else 0.0
+
+    ratio, position, velocity = mean(""), mean("/position"), mean("/velocity")
     if trust.kl_feedback is KLFeedback.GRADIENT_RATIO:
         low, high = trust.kl_ratio_target / TARGET_FACTOR, trust.kl_ratio_target * TARGET_FACTOR
     else:
         low, high = KL_GRAD_RATIO_BAND
+    each = ", ".join(f"{s['update/kl_grad_ratio']:.3g}" for _, s in judged)
+    lambdas = ", ".join(f"{s['update/lambda_kl']:.3g}" for _, s in judged)
     return Check(
         "trust region acts",
         low <= ratio <= high,
-        f"|lambda grad KL| / |grad policy| = {ratio:.3g} (position {position:.3g}, velocity {velocity:.3g}) on update "
-        f"{iteration} at lambda {metrics['update/lambda_kl']:.3g}; band {low:.3g}-{high:.3g}",
+        f"|lambda grad KL| / |grad policy| = {ratio:.3g} (geometric mean over updates {first + 1}-{first + window}: "
+        f"{each}; position {position:.3g}, velocity {velocity:.3g}) at lambda {lambdas}; band {low:.3g}-{high:.3g}",
     )
 
 

@@ -148,17 +148,21 @@ class UpdateConfig(BaseModel):
 
     def lr_scheduler(self, optimizer):
         """The torch scheduler DeepSpeed steps; a LambdaLR whose lambda is a pure function of the step."""
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_multiplier())
+
+    def learning_rate_of(self, update: int) -> float:
+        """The learning rate the scheduler gives the ``update``-th optimizer update (counted from 1)."""
+        return self.learning_rate * self._lr_multiplier()(update - 1)
+
+    def _lr_multiplier(self):
         from functools import partial
 
-        return torch.optim.lr_scheduler.LambdaLR(
-            optimizer,
-            partial(
-                lr_multiplier,
-                schedule=self.lr_schedule,
-                warmup_steps=self.lr_warmup_steps,
-                decay_steps=self.lr_decay_steps,
-                min_ratio=self.lr_min_ratio,
-            ),
+        return partial(
+            lr_multiplier,
+            schedule=self.lr_schedule,
+            warmup_steps=self.lr_warmup_steps,
+            decay_steps=self.lr_decay_steps,
+            min_ratio=self.lr_min_ratio,
         )
 
 
@@ -555,7 +559,10 @@ class Updater:
             minibatch.ratios.append(ratios)
         # Both signals over all ranks, so every rank's controller (and checkpoint) agrees.
         kl = distributed.all_reduce_mean({"kl": minibatch.means().get("kl", 0.0)})["kl"]
-        self.controller.update(kl, None if ratios is None else ratios[""])
+        # The KL's gain per unit of reach (summed lr since the reference): lambda follows an lr warm-up or decay.
+        lr = self.config.learning_rate_of
+        reach, next_reach = self.trust.reach(self.updates_done, lr), self.trust.cycle_reach(self.updates_done + 1, lr)
+        self.controller.update(kl, None if ratios is None else ratios[""], reach=reach, next_reach=next_reach)
         if self.lagged is not None:
             self.lagged.commit()
         if self.anchor is not None and self.trust.refresh_due(self.updates_done):

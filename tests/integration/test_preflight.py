@@ -55,3 +55,13 @@ def test_a_config_error_is_one_line_before_anything_runs(tmp_path):
     result = _preflight(tmp_path / "run", "sde.steps=0")
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "sde.steps" in result.stderr
+
+
+def test_the_demo_with_an_lr_warm_up_passes_the_trust_region_check(tmp_path):
+    # The warm-up raises the lr update by update, so the KL's gain does too: lambda follows it per unit of reach, and
+    # the check judges the anchor cycle's mean (before both, the last update's ratio 0.00778 failed the 0.0015-0.006
+    # band).
+    result = _preflight(tmp_path / "run", "update.lr_warmup_steps=10")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert _rows(result.stdout)["trust region acts"] == "pass"
+    assert "geometric mean over updates 3-5" in result.stdout

@@ -1,10 +1,17 @@
-"""Preflight's verdict on the trust region from the last measured ``update/kl_grad_ratio`` of its trial iterations,
-at the lambda the run chose (the integration test runs the whole command; these pin what each value is judged as)."""
+"""Preflight's verdict on the trust region from the ``update/kl_grad_ratio`` measured over one anchor cycle of its
+trial iterations, at the lambda the run chose (the integration test runs the whole command; these pin what each value
+is judged as)."""
 
 import pytest
 
 from sage_grpo.pipeline.config import load_run_config
-from sage_grpo.pipeline.preflight import KL_GRAD_RATIO_BAND, TARGET_FACTOR, kl_ratio_check, time_check
+from sage_grpo.pipeline.preflight import (
+    KL_GRAD_RATIO_BAND,
+    TARGET_FACTOR,
+    kl_ratio_check,
+    time_check,
+    trial_iterations,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -31,17 +38,31 @@ def test_no_measured_update_fails_and_says_why(lora):
     assert "no update of 3 measured" in check.detail and "anchor_interval" in check.detail
 
 
-def test_the_calibrated_preset_is_judged_against_its_own_target_on_the_last_measured_update():
-    config = load_run_config(DEMO)
+def test_the_calibrated_preset_is_judged_over_one_anchor_cycle_against_its_own_target():
+    config = load_run_config(DEMO)  # anchor N = 3: update 1 and 4 start at the anchor, update 2 runs at kl_initial
     target = config.trust_region.kl_ratio_target
-    check = kl_ratio_check(_steps(None, 30 * target, target), config)  # update 2 at lambda 1, update 3 controlled
+    check = kl_ratio_check(_steps(None, 30 * target, 2.5 * target, None, 0.8 * target), config)
+    # Update 3 alone is out of band (the pull grows within a cycle); the cycle's geometric mean, sqrt(2) x, is not.
     assert check.passed is True
-    assert f"on update 3 at lambda 1; band {target / TARGET_FACTOR:.3g}-{target * TARGET_FACTOR:.3g}" in check.detail
+    assert f"geometric mean over updates 3-5: {2.5 * target:.3g}, {0.8 * target:.3g}" in check.detail
+    assert f"band {target / TARGET_FACTOR:.3g}-{target * TARGET_FACTOR:.3g}" in check.detail
     assert "position" in check.detail and "velocity" in check.detail
-    assert kl_ratio_check(_steps(None, target, 3 * target), config).passed is False  # too strong
-    assert kl_ratio_check(_steps(None, target, target / 3), config).passed is False  # too weak
-    # The last measured update decides, even when an unmeasured (refresh) update came after it.
-    assert kl_ratio_check(_steps(None, target, None), config).passed is True
+    assert kl_ratio_check(_steps(None, target, 3 * target, None, 3 * target), config).passed is False  # too strong
+    assert kl_ratio_check(_steps(None, target, target / 3, None, target / 3), config).passed is False  # too weak
+    # Updates after the cycle are not judged.
+    assert kl_ratio_check(_steps(None, target, target, None, target, 100 * target), config).passed is True
+
+
+def test_a_cycle_with_no_update_at_the_controllers_lambda_fails():
+    config = load_run_config(DEMO, ["trust_region.anchor_interval=2"])  # updates 2, 4, 6 measured
+    check = kl_ratio_check(_steps(None, 0.003, None), config)
+    assert check.passed is False and "none at a lambda the controller chose" in check.detail
+
+
+def test_the_trial_covers_one_anchor_cycle_after_the_first_measured_update():
+    assert trial_iterations(load_run_config(DEMO)) == 6  # N = 3
+    assert trial_iterations(load_run_config(DEMO, ["trust_region.anchor_interval=10"])) == 13
+    assert trial_iterations(load_run_config(DEMO, ["trust_region.strategy=fixed"])) == 6
 
 
 def test_the_paper_preset_is_inert_and_fails():
