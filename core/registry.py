@@ -18,14 +18,16 @@ Each version is an MLflow pyfunc (:class:`VideoPolicyModel`) holding the export
 (LoRA adapter or full transformer) and the name of the base model it applies to; ``predict`` generates videos on
 that base model, built again as the export's ``export.json`` records it (HunyuanVideo 1.5, Wan, a tiny model or a
 dotted factory; exports without the record are HunyuanVideo 1.5).
-Self-contained for ``mlflow models serve``: the ``core`` package (all the pyfunc imports) is logged with the model as
-its ``code_paths``, and its pip requirements are this project's runtime dependencies pinned to the versions that
-registered it, so the environment MLflow builds for serving runs the same code on the same libraries.
+Self-contained for ``mlflow models serve``, and logged from files, never a pickle: the pyfunc is built by MLflow's
+models-from-code file ``core/policy_model.py``, the ``core`` package (all the pyfunc imports) is logged with it as
+its ``code_paths``, and its pip requirements are the libraries the pyfunc imports (``_SERVING_PACKAGES``, not the
+training stack: no DeepSpeed, boto3 or plotting) pinned to the versions that registered it, so the environment MLflow
+builds for serving runs the same code on the same libraries.
 
 Integrity: every file of the logged model is listed with its sha256 in ``sha256sums.json``, whose own digest is a tag
 of the model version. The registry database, not the artifact store, is the trust anchor: someone who can write to
 the bucket can rewrite the files and their list, but not the tag. :func:`load_registered_policy` checks all of it
-before MLflow unpickles anything.
+before MLflow loads anything.
 
 Idempotence: a version is created with all its tags in one call, ``export_key`` among them, and
 :func:`register_export` looks for that key before creating, so a rerun after a crash at any point finds the version
@@ -42,7 +44,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import shutil
 import tempfile
 import time
@@ -256,7 +257,7 @@ def _log_policy(
             mlflow_model=Model(
                 artifact_path=model.artifact_location, run_id=run_id, model_uuid=model.model_id, model_id=model.model_id
             ),
-            python_model=VideoPolicyModel(),
+            python_model=str(_CODE_PACKAGE / "policy_model.py"),
             artifacts={"export": str(export_dir)},
             model_config={"base_model": base_model, "kind": kind},
             signature=_SIGNATURE,
@@ -271,11 +272,13 @@ def _log_policy(
 
 # The foundation floor holds everything the pyfunc imports (core never imports stages or pipeline).
 _CODE_PACKAGE = Path(__file__).resolve().parent
-# What the pyfunc needs when the project is not installed as a distribution (a checkout on PYTHONPATH).
+# The distributions the pyfunc imports (core.registry, core.export, core.models and what they import); MLflow adds
+# itself. Training's own (deepspeed, boto3, matplotlib, imageio, psutil) stay out of a serving environment.
 _SERVING_PACKAGES = (
     "torch",
     "diffusers",
     "transformers",
+    "tokenizers",
     "peft",
     "accelerate",
     "safetensors",
@@ -283,8 +286,6 @@ _SERVING_PACKAGES = (
     "pydantic",
     "numpy",
     "pandas",
-    "deepspeed",
-    "boto3",
     "requests",
     "pyyaml",
 )
@@ -300,16 +301,11 @@ def _code_copy(destination: Path) -> Path:
 
 
 def serving_requirements() -> list[str]:
-    """This project's runtime dependencies (not its extras), each pinned to the version running now. A local
-    version label is dropped (``torch==2.13.0``, not ``2.13.0+cpu``): the serving machine installs its own build."""
-    from importlib.metadata import PackageNotFoundError, requires, version
+    """The pyfunc's libraries, each pinned to the version running now. A local version label is dropped
+    (``torch==2.13.0``, not ``2.13.0+cpu``): the serving machine installs its own build."""
+    from importlib.metadata import version
 
-    try:
-        declared = [spec for spec in requires("sage-grpo") or [] if "extra ==" not in spec]
-        names = [re.match(r"[A-Za-z0-9._-]+", spec).group(0) for spec in declared]
-    except PackageNotFoundError:
-        names = list(_SERVING_PACKAGES)
-    return [f"{name}=={version(name).split('+')[0]}" for name in names]
+    return [f"{name}=={version(name).split('+')[0]}" for name in _SERVING_PACKAGES]
 
 
 def _write_model_manifest(model_dir: Path) -> str:
