@@ -3,11 +3,13 @@ config does not import MLflow: importing it costs a second or more, and pandas w
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from urllib.parse import urlparse
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from sage_grpo.core.errors import UserError, first_line
 from sage_grpo.core.secrets import mask_uri
 
 DEFAULT_EXPERIMENT = "sage-grpo"
@@ -45,6 +47,12 @@ class TrackingConfig(BaseModel):
 
         return self.experiment or MLFLOW_EXPERIMENT_NAME.get() or DEFAULT_EXPERIMENT
 
+    @model_validator(mode="after")
+    def _mlflow_environment(self):
+        if self.enabled:
+            check_mlflow_environment()
+        return self
+
     @field_validator("tracking_uri")
     @classmethod
     def _store_mlflow_opens(cls, uri: str | None) -> str | None:
@@ -62,3 +70,20 @@ class TrackingConfig(BaseModel):
                 f"{mask_uri(uri)!r} is not a tracking store MLflow opens (http(s), sqlite, file, ...)"
             ) from None
         return uri
+
+
+def check_mlflow_environment() -> None:
+    """A one-line UserError when an ``MLFLOW_*`` variable MLflow declares holds a value it cannot parse
+    (``MLFLOW_HTTP_REQUEST_TIMEOUT=abc``, ``MLFLOW_ENABLE_ASYNC_LOGGING=maybe``): MLflow reads them at its first
+    request, deep in a run, and raises a ValueError there. MLflow is imported only when such a variable is set."""
+    if not any(name.startswith("MLFLOW_") for name in os.environ):
+        return
+    from mlflow import environment_variables
+
+    for variable in vars(environment_variables).values():
+        name = getattr(variable, "name", None)
+        if isinstance(name, str) and name in os.environ and callable(getattr(variable, "get", None)):
+            try:
+                variable.get()
+            except ValueError as error:
+                raise UserError(f"MLflow environment: {mask_uri(first_line(error))}") from None
