@@ -47,7 +47,7 @@ from pydantic import BaseModel
 from sage_grpo.core import distributed
 from sage_grpo.core.files import atomic_write_text
 from sage_grpo.core.secrets import mask_uri, mask_value
-from sage_grpo.core.tracking_config import TrackingConfig
+from sage_grpo.core.tracking_config import TrackingConfig, check_mlflow_environment
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,9 @@ FAIL_FAST_HTTP = {
 
 
 def fail_fast_http() -> None:
-    """MLflow's HTTP client set to fail in seconds (see FAIL_FAST_HTTP), where the operator has not set it."""
+    """MLflow's HTTP client set to fail in seconds (see FAIL_FAST_HTTP), where the operator has not set it; what the
+    operator set must parse (one line otherwise)."""
+    check_mlflow_environment()
     for name, value in FAIL_FAST_HTTP.items():
         os.environ.setdefault(name, value)
 
