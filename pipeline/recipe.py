@@ -159,7 +159,7 @@ class SageGRPORecipe:
             self.tracker.log_prompt_set(self.prompt_set, config.data.source)
         # Iterations past the restored one are re-executed (identically): neither MLflow nor the audit repeats them.
         self.logged_through = self.tracker.logged_through("iteration") if distributed.is_main() else 0
-        self.audit = Audit(config.output_dir / "audit" / f"rank-{distributed.rank()}.jsonl")
+        self.audit = Audit(config.output_dir / "audit" / f"rank-{distributed.rank()}.jsonl", self.checkpointer.run_id)
         self.audit.forget_after(self.progress.iteration)
         if distributed.is_main():
             logger.info("%s", self.header())
@@ -578,15 +578,16 @@ def iteration_seed(seed: int, iteration: int) -> int:
 
 class Audit:
     """Each rank's record of what it trained on (prompt ids per iteration) and the weights it ended with: the
-    provenance a team needs to answer "which data made this model", one JSON line per event."""
+    provenance a team needs to answer "which data made this model", one JSON line per event, each naming its run
+    (the checkpoint root's run identity, which a resume continues)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, run_id: str):
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
+        self.path, self.run_id = path, run_id
 
     def write(self, record: dict) -> None:
         with self.path.open("a") as file:
-            file.write(json.dumps(record) + "\n")
+            file.write(json.dumps({"run": self.run_id, **record}) + "\n")
 
     def forget_after(self, iteration: int) -> None:
         """Drop the training records of iterations after ``iteration`` (a resumed run trains them again)."""
