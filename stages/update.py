@@ -406,6 +406,7 @@ class Updater:
             total=sum(map(len, minibatches)), desc="update", unit="step", leave=False, dynamic_ncols=True
         )
         for micro_steps in minibatches:
+            clear_gradient_partitions(self.engine)
             if self.lagged is not None:
                 self.lagged.stage()  # this update's starting weights: the lagged policy once the update is applied
             minibatch = _Totals(kl_weight=self.controller.value)
@@ -654,6 +655,24 @@ class Updater:
             self.ema.load_resharded_state_dict([state["ema"] for state in states], rank, world)
         elif self.ema is not None:
             self._load_ema(None)
+
+
+def clear_gradient_partitions(engine) -> None:
+    """Zero ZeRO-3's gradient partitions before an optimizer update's first micro-step. DeepSpeed 0.19
+    (``stage3.py``, ``partition_grads``) copies a parameter's gradient into its partition on micro-step 0, adds to it
+    on later ones and never clears it: a parameter without a gradient on micro-step 0 (an expert of two-expert Wan 2.2
+    whose transitions come later in the update, or not at all) would add to, or be stepped again with, the previous
+    update's gradient. Under optimizer offload the boundary copies only the parameters used in the update into the
+    fp32 gradients, so those are cleared too. One memset of this rank's partition; nothing on ZeRO-1/2."""
+    optimizer = getattr(engine, "optimizer", None)
+    flat = getattr(optimizer, "grad_partitions_flat_buffer", None)
+    if flat is None:
+        return
+    flat.zero_()
+    if getattr(optimizer, "offload_optimizer", False):
+        for group in optimizer.fp32_partitioned_groups_flat:
+            if group.grad is not None:
+                group.grad.zero_()
 
 
 def _log_distance(ratio: float) -> float:
