@@ -18,9 +18,16 @@ RETRYABLE_EXIT_CODE = 75
 
 class RetryableStop(Exception):
     """A stop that a restart with ``--resume auto`` cures (a service down, a disk full): everything committed is kept.
-    The message is one line with credentials masked; the CLI exits RETRYABLE_EXIT_CODE."""
+    The message is one line with credentials masked; the CLI exits RETRYABLE_EXIT_CODE and adds ``advice``, what to
+    do next (a command with no run to resume, ``promote``, says its own)."""
 
     exit_code = RETRYABLE_EXIT_CODE
+    advice = "restart with --resume auto"
+
+    def __init__(self, message: str = "", advice: str | None = None):
+        super().__init__(message)
+        if advice is not None:
+            self.advice = advice
 
 
 class StoreUnavailable(RetryableStop):

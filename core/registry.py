@@ -46,6 +46,7 @@ import json
 import math
 import shutil
 import tempfile
+import textwrap
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -125,16 +126,28 @@ def export_key(run_id: str, step: int) -> str:
 
 
 @contextmanager
-def outage_is_retryable(tracking_uri: str | None, doing: str) -> Iterator[None]:
-    """The tracking server unreachable while ``doing`` is a RetryableStop (exit 75): registration is keyed by its
-    export, so the restart that does it again registers one version."""
+def outage_is_retryable(tracking_uri: str | None, doing: str, advice: str | None = None) -> Iterator[None]:
+    """The tracking server unreachable while ``doing`` is a RetryableStop (exit 75) saying why in a few whole words
+    and, when given, ``advice`` for what to do next: registration is keyed by its export, so the restart that does it
+    again registers one version."""
     try:
         yield
     except (MlflowException, requests.RequestException, OSError) as error:
         if not is_outage(error):
             raise
         where = mask_uri(tracking_uri or "")
-        raise RetryableStop(f"tracking server {where} unreachable while {doing}: {first_line(error)}") from None
+        raise RetryableStop(f"tracking server {where} unreachable while {doing}: {_cause(error)}", advice) from None
+
+
+def _cause(error: BaseException) -> str:
+    """The innermost error's words ("Connection refused"), not MLflow's and urllib3's wrappers quoting it (whose
+    first line runs past 300 characters and used to be cut mid-word); shortened at a word, marked, when long."""
+    seen = set()
+    while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+        seen.add(id(error))
+        error = inner
+    words = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)
+    return textwrap.shorten(str(words), width=200, placeholder=" ...")
 
 
 def register_export(

@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except RetryableStop as error:
-        print(f"sagegrpo: {mask_uri(str(error))} (retryable, restart with --resume auto)", file=sys.stderr)
+        print(f"sagegrpo: {mask_uri(str(error))} (retryable, {error.advice})", file=sys.stderr)
         return RetryableStop.exit_code
     except Exception as error:
         if not out_of_space(error):

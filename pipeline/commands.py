@@ -397,7 +397,8 @@ def promote_command(
         raise UserError(f"--margin must be >= 0, got {margin}")
     tracking_uri = tracking_uri or _registry_tracking_uri(config)
     fail_fast_http()  # MLflow's own retries would hold a dead server's answer for minutes
-    with outage_is_retryable(tracking_uri, "promoting"):
+    # promote has no run to resume: the alias and its tag are set the same way when it runs again.
+    with outage_is_retryable(tracking_uri, "promoting", advice="run promote again once the server answers"):
         decision = promote(
             MlflowClient(tracking_uri=tracking_uri),
             model,
