@@ -76,8 +76,11 @@ def model_record(name: str, *, pretrained: str | None = None, kwargs: dict[str, 
 
 
 def export_policy(engine_or_module, out_dir: str | Path, *, model: dict[str, Any] | None = None) -> Path | None:
-    """The LoRA adapter if the model carries one, else the whole transformer; see the two functions below."""
+    """The LoRA adapter if the model carries one, else the whole transformer; see the two functions below. A module
+    of several pipeline components (two-expert Wan 2.2) goes to :func:`export_components`."""
     module = getattr(engine_or_module, "module", engine_or_module)
+    if hasattr(module, "export_components"):
+        return export_components(engine_or_module, out_dir, model=model)
     if getattr(module, "peft_config", None):
         return export_lora(module, out_dir, model=model)
     return export_full(engine_or_module, out_dir, model=model)
@@ -95,13 +98,17 @@ def export_lora(
     weights = _fold_scaling(_gathered_adapter_state(transformer), _adapter_scalings(transformer))
     if not distributed.is_main():
         return None
-    prefixed = {f"{TRANSFORMER_PREFIX}.{name}": tensor for name, tensor in weights.items()}
-    metadata = {"format": "pt", "lora_adapter_metadata": _adapter_metadata(peft_config)}
     with _atomic_directory(out_dir) as staging:
-        safetensors.torch.save_file(prefixed, staging / LORA_WEIGHT_NAME, metadata=metadata)
-        _sort_header_metadata(staging / LORA_WEIGHT_NAME)
+        _write_lora(staging, weights, peft_config)
         _write_export_manifest(staging, "lora", model)
     return Path(out_dir)
+
+
+def _write_lora(folder: Path, weights: dict[str, torch.Tensor], peft_config) -> None:
+    prefixed = {f"{TRANSFORMER_PREFIX}.{name}": tensor for name, tensor in weights.items()}
+    metadata = {"format": "pt", "lora_adapter_metadata": _adapter_metadata(peft_config)}
+    safetensors.torch.save_file(prefixed, folder / LORA_WEIGHT_NAME, metadata=metadata)
+    _sort_header_metadata(folder / LORA_WEIGHT_NAME)
 
 
 def export_full(engine_or_module, out_dir: str | Path, *, model: dict[str, Any] | None = None) -> Path | None:
@@ -114,10 +121,44 @@ def export_full(engine_or_module, out_dir: str | Path, *, model: dict[str, Any] 
     if not distributed.is_main():
         return None
     with _atomic_directory(out_dir) as staging:
-        module.save_config(staging)
-        # Not module.save_pretrained: diffusers' version takes no state_dict and would save the empty ZeRO-3 shards.
-        save_torch_state_dict(state, staging, filename_pattern=FULL_WEIGHTS_PATTERN, max_shard_size=MAX_SHARD_SIZE)
+        _write_full(staging, module, state)
         _write_export_manifest(staging, "full", model)
+    return Path(out_dir)
+
+
+def _write_full(folder: Path, module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    module.save_config(folder)
+    # Not module.save_pretrained: diffusers' version takes no state_dict and would save the empty ZeRO-3 shards.
+    save_torch_state_dict(state, folder, filename_pattern=FULL_WEIGHTS_PATTERN, max_shard_size=MAX_SHARD_SIZE)
+
+
+def export_components(engine_or_module, out_dir: str | Path, *, model: dict[str, Any] | None = None) -> Path | None:
+    """A module of several pipeline components (``module.export_components()``: the pipeline's component name ->
+    the attribute holding it, e.g. two-expert Wan 2.2's ``transformer`` and ``transformer_2``, the trained ones
+    only): each in the subfolder of its component name, as a LoRA adapter (all carry one) or as full weights, with
+    one ``export.json`` over all files. Load each into its component: ``pipe.load_lora_weights(export_dir /
+    "transformer_2", weight_name=LORA_WEIGHT_NAME, load_into_transformer_2=True)``, or
+    ``WanTransformer3DModel.from_pretrained(export_dir, subfolder="transformer_2")``."""
+    module = getattr(engine_or_module, "module", engine_or_module)
+    parts = {name: getattr(module, attribute) for name, attribute in module.export_components().items()}
+    lora = all(getattr(part, "peft_config", None) for part in parts.values())
+    if lora:
+        weights = {name: _fold_scaling(_gathered_adapter_state(p), _adapter_scalings(p)) for name, p in parts.items()}
+    else:
+        state = _full_state_dict(engine_or_module, module)
+    if not distributed.is_main():
+        return None
+    with _atomic_directory(out_dir) as staging:
+        for name, attribute in module.export_components().items():
+            folder = staging / name
+            folder.mkdir()
+            if lora:
+                _write_lora(folder, weights[name], parts[name].peft_config[ADAPTER_NAME])
+            else:
+                prefix = f"{attribute}."
+                own = {key.removeprefix(prefix): state.pop(key) for key in list(state) if key.startswith(prefix)}
+                _write_full(folder, parts[name], own)
+        _write_export_manifest(staging, "lora" if lora else "full", model)
     return Path(out_dir)
 
 
@@ -233,7 +274,7 @@ def _sort_header_metadata(path: Path) -> None:
 
 
 def _write_export_manifest(directory: Path, kind: ExportKind, model: dict[str, Any] | None) -> None:
-    files = {path.name: file_sha256(path) for path in sorted(directory.iterdir()) if path.is_file()}
+    files = {path.relative_to(directory).as_posix(): file_sha256(path) for path in _files_below(directory)}
     manifest = {"kind": kind, "model": model, "files": files}
     (directory / EXPORT_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
@@ -269,13 +310,18 @@ def _not_an_export(directory: Path) -> str | None:
     """Why ``directory`` is not an export this module wrote, None when it is one."""
     try:
         listed = json.loads((directory / EXPORT_MANIFEST).read_text())["files"]
-        present = {path.name for path in directory.iterdir()}
+        present = {path.relative_to(directory).as_posix() for path in _files_below(directory)}
         if not isinstance(listed, dict) or present != set(listed) | {EXPORT_MANIFEST}:
             return f"is not empty and holds files that no {EXPORT_MANIFEST} there lists"
         read_export_manifest(directory)
     except (OSError, ValueError, KeyError, TypeError):
         return f"is not empty and is not an export (no valid {EXPORT_MANIFEST}, or files that do not match it)"
     return None
+
+
+def _files_below(directory: Path) -> list[Path]:
+    """Every file in ``directory`` and its subfolders (an export of several components has one per component)."""
+    return sorted(path for path in directory.rglob("*") if path.is_file())
 
 
 @contextlib.contextmanager

@@ -47,6 +47,15 @@ class WanExperts(torch.nn.Module):
     def expert(self, name: Expert) -> WanTransformer3DModel:
         return getattr(self, name)
 
+    def export_components(self) -> dict[str, str]:
+        """The trained experts by their WanPipeline component name -> attribute here (``core.export``): an expert
+        that does not train is the base checkpoint's, which the export does not repeat."""
+        return {
+            PIPELINE_COMPONENTS[name]: name
+            for name in EXPERTS
+            if any(p.requires_grad for p in self.expert(name).parameters())
+        }
+
     def enable_gradient_checkpointing(self) -> None:
         for name in EXPERTS:
             self.expert(name).enable_gradient_checkpointing()
