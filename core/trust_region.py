@@ -14,7 +14,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from sage_grpo.core import distributed
+from sage_grpo.core.errors import UserError
 from sage_grpo.core.grpo import AdaptiveKLController, GradientRatioController, KLFeedback
+from sage_grpo.core.lazy import lazy_module
+
+torch = lazy_module("torch", globals())
 
 
 class KLStrategy(str, Enum):
@@ -78,6 +83,10 @@ class TrustRegionConfig(BaseModel):
     # measured compromise between learning and drift (docs/algorithm.md, "How the target was chosen").
     kl_ratio_target: float = Field(0.003, gt=0)
     kl_feedback: KLFeedback
+    # Also log update/kl_grad_ratio/weight_space, the same ratio on the trainable weights' gradients (what the optimizer
+    # steps on): a second forward and two backward passes per micro-step of each measured update, and two float32
+    # copies of the trainable weights' gradients; ZeRO-3's partitioned weights are refused (docs/algorithm.md).
+    measure_weight_space: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -179,3 +188,50 @@ class TrustRegionConfig(BaseModel):
             target=self.kl_target,
             feedback=self.kl_feedback,
         )
+
+
+class WeightGradients:
+    """One optimizer update's gradients of the policy term and of the KL (unweighted by lambda) with respect to the
+    trainable weights, summed over its micro-steps and over ranks: the weight-space counterpart of the output-space
+    ``update/kl_grad_ratio``. Each micro-step is forwarded again through ``module`` with the weights as leaves of
+    their own (``torch.func.functional_call``), so DeepSpeed's gradient hooks, which own the weights' ``.grad``, never
+    see these backward passes; within an update the weights do not move, so it is the same function the engine
+    differentiates."""
+
+    def __init__(self, module: torch.nn.Module):
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        if any(hasattr(p, "ds_tensor") for _, p in named):
+            raise UserError(
+                "trust_region.measure_weight_space needs each rank's whole trainable weights; ZeRO-3 partitions them "
+                "(use deepspeed.config: zero2, or turn the measurement off)"
+            )
+        self._module = module
+        self.leaves = {name: p.detach().requires_grad_() for name, p in named}
+        self.sums: dict[str, list[torch.Tensor]] = {}
+
+    def module(self, *args, **kwargs):
+        """The policy module computing with the leaves: pass it where a module is expected (``module=``)."""
+        return torch.func.functional_call(self._module, self.leaves, args, kwargs)
+
+    def add(self, policy: torch.Tensor, kl: torch.Tensor) -> None:
+        """Differentiate one micro-step's policy term and KL (both computed through :meth:`module`)."""
+        leaves = list(self.leaves.values())
+        for term, value in (("policy", policy), ("kl", kl)):
+            if not (torch.is_tensor(value) and value.requires_grad):
+                continue
+            grads = torch.autograd.grad(value, leaves, retain_graph=term == "policy", allow_unused=True)
+            sums = self.sums.setdefault(term, [torch.zeros_like(p, dtype=torch.float32) for p in leaves])
+            for total, grad in zip(sums, grads):
+                if grad is not None:
+                    total += grad.float()
+
+    def ratio(self, kl_weight: float) -> float | None:
+        """|lambda sum grad KL| / |sum grad policy| over every rank; None without a policy gradient. Collective."""
+        norms = {}
+        for term in ("policy", "kl"):
+            flat = torch.cat([g.flatten() for g in self.sums[term]]) if term in self.sums else torch.zeros(1)
+            if distributed.world_size() > 1 and torch.distributed.is_initialized():
+                flat = flat.to(distributed.device())
+                torch.distributed.all_reduce(flat)  # the update's gradient sums every rank's micro-steps
+            norms[term] = float(flat.double().norm())
+        return kl_weight * norms["kl"] / norms["policy"] if norms["policy"] > 0 else None

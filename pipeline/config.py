@@ -103,6 +103,11 @@ class RunConfig(_Section):
             bf16=self.deepspeed.use_bf16(),
         )
         check_optimizer_fits(self.update.optimizer, engine_config)
+        if self.trust_region.measure_weight_space and engine_config.get("zero_optimization", {}).get("stage") == 3:
+            raise ValueError(
+                "trust_region.measure_weight_space needs each rank's whole trainable weights; ZeRO-3 partitions them "
+                "(deepspeed.config: zero2)"
+            )
         self._check_sequence_split()
         return self
 

@@ -53,7 +53,7 @@ from sage_grpo.core.grpo import (
 from sage_grpo.core.lazy import lazy_module
 from sage_grpo.core.lr_schedules import LRSchedule, lr_multiplier
 from sage_grpo.core.progress import progress_bar
-from sage_grpo.core.trust_region import KLStrategy, TrustRegionConfig
+from sage_grpo.core.trust_region import KLStrategy, TrustRegionConfig, WeightGradients
 from sage_grpo.stages.anchor import Anchor
 from sage_grpo.stages.rollout import score_transition
 
@@ -388,6 +388,7 @@ class Updater:
         self.updates_done = 0
         self.skipped_updates = 0
         self.skipped_in_a_row = 0  # not checkpointed: a resumed run gets max_skipped_updates afresh
+        self.weight_gradients: WeightGradients | None = None  # the update being measured in weight space
 
     # -- the recipe -----------------------------------------------------------------------------------------------
 
@@ -411,6 +412,8 @@ class Updater:
                 self.lagged.stage()  # this update's starting weights: the lagged policy once the update is applied
             minibatch = _Totals(kl_weight=self.controller.value)
             measured = self._strength_measurable()
+            in_weight_space = measured and self.trust.measure_weight_space
+            self.weight_gradients = WeightGradients(self.engine.module) if in_weight_space else None
             for terms in self.losses(rollout, advantages, weights, micro_steps):
                 minibatch.add(terms)
                 if measured:
@@ -422,6 +425,7 @@ class Updater:
                 self.engine.step()
                 bar.update()
             skipped += self._after_update(minibatch)
+            self.weight_gradients = None
             totals.merge(minibatch)
         bar.close()
         return self._metrics(totals, weights, rollout, skipped)
@@ -441,6 +445,11 @@ class Updater:
         advantages = Advantages(advantages.values.to(device), advantages.valid.to(device))
         transitions = self._transitions(rollout) if transitions is None else transitions
         for transition, references in zip(transitions, self._reference_means(rollout, transitions)):
+            if self.weight_gradients is not None:  # the same micro-step again, differentiated in weight space
+                terms = self._micro_step(
+                    rollout, advantages, weights, transition, references, self.weight_gradients.module
+                )
+                self.weight_gradients.add(terms.policy, terms.kl)
             yield self._micro_step(rollout, advantages, weights, transition, references)
 
     def iteration_flops(self, rollout) -> float:
@@ -519,10 +528,16 @@ class Updater:
         return means
 
     def _micro_step(
-        self, rollout, advantages: Advantages, weights, transition: Transition, references: dict[str, torch.Tensor]
+        self,
+        rollout,
+        advantages: Advantages,
+        weights,
+        transition: Transition,
+        references: dict[str, torch.Tensor],
+        module=None,
     ) -> LossTerms:
         index, t = transition.samples, transition.step
-        step = score_transition(self.adapter, rollout, index, t, module=self.engine)
+        step = score_transition(self.adapter, rollout, index, t, module=self.engine if module is None else module)
         device = rollout.latents.device
         on_device = index.to(device)
         if torch.is_tensor(t):  # batched pairs: each sample's own timestep and S_t
@@ -556,6 +571,9 @@ class Updater:
         self.skipped_in_a_row = 0
         self.updates_done += 1
         ratios = minibatch.gradients.ratios(self.controller.value, self.trust) if minibatch.gradients.rows else None
+        in_weight_space = self.weight_gradients.ratio(self.controller.value) if self.weight_gradients else None
+        if ratios is not None and in_weight_space is not None:
+            ratios["weight_space"] = in_weight_space
         if ratios is not None:
             minibatch.ratios.append(ratios)
         # Both signals over all ranks, so every rank's controller (and checkpoint) agrees.
