@@ -11,7 +11,8 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from sage_grpo.core.errors import first_line
+# S3 callers have asked this module whether an error is an outage; the one rule is core.errors.is_outage.
+from sage_grpo.core.errors import is_outage as is_outage
 from sage_grpo.core.secrets import mask_uri
 
 AddressingStyle = Literal["auto", "path", "virtual"]
@@ -78,34 +79,3 @@ def s3_client(
     )
     # A session of its own: boto3's default session is shared module state and not safe to use across threads.
     return boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region_name, config=config)
-
-
-# Answers that mean "not now" rather than "no": retrying (or restarting the run later) can succeed.
-_OUTAGE_CODES = {
-    "NoSuchBucket",
-    "SlowDown",
-    "ServiceUnavailable",
-    "InternalError",
-    "RequestTimeout",
-    "Throttling",
-    "ThrottlingException",
-    "RequestLimitExceeded",
-}
-
-
-def is_outage(error: BaseException) -> bool:
-    """Whether an S3 error means "not now" (unreachable, throttled, bucket missing) rather than "no": what is left
-    after botocore's own retries, so a restart later is the cure."""
-    from botocore import exceptions as botocore_errors
-    from s3transfer.exceptions import RetriesExceededError
-
-    if isinstance(error, botocore_errors.ClientError):
-        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        return error.response.get("Error", {}).get("Code") in _OUTAGE_CODES or status >= 500
-    transient = (botocore_errors.ConnectionError, botocore_errors.HTTPClientError, botocore_errors.IncompleteReadError)
-    return isinstance(error, (*transient, RetriesExceededError))
-
-
-def one_line(error: BaseException) -> str:
-    """An S3 error's first line with credentials masked (botocore puts the endpoint URL in its messages)."""
-    return mask_uri(first_line(error))

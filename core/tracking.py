@@ -45,6 +45,7 @@ from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH,
 from pydantic import BaseModel
 
 from sage_grpo.core import distributed
+from sage_grpo.core.errors import first_line, is_outage
 from sage_grpo.core.files import atomic_write_text
 from sage_grpo.core.secrets import mask_uri, mask_value
 from sage_grpo.core.tracking_config import TrackingConfig, check_mlflow_environment
@@ -112,19 +113,11 @@ def metric_name_problem(name: str) -> str | None:
     try:
         _validate_metric_name(name)
     except MlflowException as error:
-        return _first_line(error)
+        return first_line(error)
     return None
 
 
 # --- Error classes ---------------------------------------------------------------------------------------------
-
-
-def is_outage(error: Exception) -> bool:
-    """Errors that retrying later can cure: unreachable, overloaded, rate-limited, or refusing our credentials."""
-    if isinstance(error, MlflowException):  # MLflow wraps connection failures as INTERNAL_ERROR (HTTP 500)
-        status = error.get_http_status_code()
-        return status >= 500 or status in (401, 403, 429)
-    return isinstance(error, (requests.RequestException, ConnectionError, TimeoutError))
 
 
 IDENTITY_TAG = "sagegrpo.run_id"  # the training run's identity, the one that owns its checkpoint root
@@ -237,23 +230,28 @@ class Tracker:
         self._params_logged = False
         self._sync()
 
-    def log_prompt_set(self, prompt_set: Any, source: str) -> None:
+    def log_prompt_set(self, prompt_set: Any, source: str, evaluated: tuple[list, str] | None = None) -> None:
         """The prompts as the run's dataset inputs, one per split (MLflow's contexts ``training`` and
         ``evaluation``), each with its digest, row count and schema, and the ingest report's counts as input tags.
         ``prompt_set``: ``stages.ingest.PromptSet`` (``.train``, ``.eval``: prompts with ``.text`` and
-        ``.metadata``; ``.report.kept`` and ``.report.counts``)."""
+        ``.metadata``; ``.report.kept`` and ``.report.counts``). ``evaluated``: the prompts the evaluations score
+        and their source, when they are not ``prompt_set.eval`` (a fixed evaluation set, or the first few held out)."""
         if not self.enabled:
             return
         report = prompt_set.report
         counts = {"kept": report.kept, **{f"skipped.{kind}": n for kind, n in report.counts.items()}}
+        eval_prompts, eval_source = evaluated or (prompt_set.eval, source)
         try:
             inputs = [
-                _dataset_input(prompts, source, context, counts)
-                for prompts, context in ((prompt_set.train, "training"), (prompt_set.eval, "evaluation"))
+                _dataset_input(prompts, origin, context, counts if origin == source else {})
+                for prompts, origin, context in (
+                    (prompt_set.train, source, "training"),
+                    (eval_prompts, eval_source, "evaluation"),
+                )
                 if prompts
             ]
         except Exception as error:  # noqa: BLE001 - MLflow's profiling of odd metadata must never stop training
-            log.warning("prompt set not logged to MLflow: %s", _first_line(error))
+            log.warning("prompt set not logged to MLflow: %s", first_line(error))
             return
         self._upload("prompt set", lambda: self._client.log_inputs(self.run_id, datasets=inputs))
 
@@ -282,7 +280,7 @@ class Tracker:
             return max((metric.step for metric in self._client.get_metric_history(self.run_id, key)), default=0)
         except (MlflowException, requests.RequestException, OSError) as error:
             log.warning(
-                "could not read the MLflow run's history (%s); iterations may be logged twice", _first_line(error)
+                "could not read the MLflow run's history (%s); iterations may be logged twice", first_line(error)
             )
             return 0
 
@@ -348,7 +346,7 @@ class Tracker:
         try:
             self._client.set_terminated(self.run_id, status)
         except (MlflowException, requests.RequestException, OSError) as error:
-            log.warning("MLflow run %s not marked %s: %s", self.run_id, status, _first_line(error))
+            log.warning("MLflow run %s not marked %s: %s", self.run_id, status, first_line(error))
 
     # --- Talking to MLflow -------------------------------------------------------------------------------------
 
@@ -431,9 +429,8 @@ class Tracker:
         experiment = self._client.get_experiment_by_name(name)
         if experiment is not None:
             return experiment.experiment_id
-        # The embedded store would otherwise put artifacts in ./mlruns of whatever directory the job started in.
-        location = None if self.config.server_uri() else (self.run_dir / "mlflow-artifacts").resolve().as_uri()
-        return self._client.create_experiment(name, artifact_location=location)
+        # A database store would otherwise put artifacts in ./mlruns of whatever directory the job started in.
+        return self._client.create_experiment(name, artifact_location=self.config.artifact_location(self.run_dir))
 
     def _log_params(self) -> None:
         existing = self._client.get_run(self.run_id).data.params
@@ -479,7 +476,7 @@ class Tracker:
     def _set_aside(self, error: MlflowException, rows: list[dict[str, Any]]) -> None:
         rejected = self._buffer.with_name(f"mlflow-rejected-{int(time.time())}.jsonl")
         atomic_write_text(rejected, _as_lines(rows))
-        log.error("MLflow rejected metrics (%s); they are kept in %s, the run goes on", _first_line(error), rejected)
+        log.error("MLflow rejected metrics (%s); they are kept in %s, the run goes on", first_line(error), rejected)
 
     def _upload(self, what: str, upload: Callable[[], None]) -> None:
         self._sync()
@@ -491,11 +488,11 @@ class Tracker:
         except (MlflowException, requests.RequestException, OSError) as error:
             if is_outage(error):
                 self._note_outage(error)
-            log.warning("%s not sent to MLflow: %s", what, _first_line(error))
+            log.warning("%s not sent to MLflow: %s", what, first_line(error))
 
     def _give_up(self, error: Exception) -> None:
         # Retrying cannot cure a refusal (say, an experiment deleted on the server); the training goes on untracked.
-        log.error("MLflow refused the run (%s); tracking is off for the rest of this process", _first_line(error))
+        log.error("MLflow refused the run (%s); tracking is off for the rest of this process", first_line(error))
         self.enabled = False
 
     def _note_outage(self, error: Exception) -> None:
@@ -504,7 +501,7 @@ class Tracker:
             log.warning(
                 "MLflow tracking at %s is unreachable (%s); metrics are buffered in %s and sent when it answers",
                 self._safe_uri,
-                _first_line(error),
+                first_line(error),
                 self._buffer,
             )
         self._in_outage = True
@@ -550,8 +547,3 @@ def _ends_mid_line(path: Path) -> bool:
 
 def _as_lines(rows: list[dict[str, Any]]) -> str:
     return "".join(json.dumps(row) + "\n" for row in rows)
-
-
-def _first_line(error: Exception) -> str:
-    lines = str(error).strip().splitlines()
-    return mask_uri(lines[0][:300]) if lines else type(error).__name__

@@ -33,11 +33,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors import SafetensorError
 
 from sage_grpo.core.checkpoint_values import SamplerValues, values_problem
-from sage_grpo.core.errors import RetryableStop, UserError
+from sage_grpo.core.errors import RetryableStop, UserError, first_line, is_outage
 from sage_grpo.core.files import atomic_path
 from sage_grpo.core.lazy import lazy_module
 from sage_grpo.core.models.base import PromptEmbeddings
-from sage_grpo.core.s3 import S3Config, is_outage, one_line
+from sage_grpo.core.s3 import S3Config
 
 torch = lazy_module("torch", globals())
 
@@ -144,8 +144,8 @@ def _read_s3(uri: str, s3: S3Config) -> bytes:
         return client.get_object(Bucket=bucket, Key=key)["Body"].read()
     except (ClientError, BotoCoreError) as error:
         if is_outage(error):  # throttled or unreachable past botocore's retries: a later restart reads it
-            raise RetryableStop(f"data.source {uri} unavailable: {one_line(error)}") from None
-        raise UserError(f"cannot read data.source {uri}: {one_line(error)}") from None
+            raise RetryableStop(f"data.source {uri} unavailable: {first_line(error)}") from None
+        raise UserError(f"cannot read data.source {uri}: {first_line(error)}") from None
 
 
 # Byte-order marks of the wide encodings, longest first: UTF-32-LE's mark begins with UTF-16-LE's.

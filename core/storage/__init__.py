@@ -19,6 +19,7 @@ bottom:
 - ``loading.py``: tensors read back without unpickling arbitrary objects.
 """
 
+from sage_grpo.core.errors import is_outage  # importable from here as before; defined once, in core.errors
 from sage_grpo.core.storage.config import CheckpointConfig, MiB
 from sage_grpo.core.storage.loading import load_tensors, load_torch
 from sage_grpo.core.storage.manifest import (
@@ -31,7 +32,6 @@ from sage_grpo.core.storage.manifest import (
     checked_relpath,
     step_dir,
 )
-from sage_grpo.core.storage.s3_store import is_outage
 from sage_grpo.core.storage.store import CheckpointStore, RootClaimedError, StorageBackend, StorageError
 
 __all__ = [

@@ -2,9 +2,9 @@
 
 Transfers go through boto3's transfer manager (multipart, concurrent, retried by botocore); this module has no
 retry loop of its own: the commit protocol (``store.py``) retries a whole commit through an outage, and
-:func:`is_outage` tells an outage ("not now") from a refusal ("no"). S3 has no rename, so a step's files go straight
-to their final keys and count only once the manifest, written last, is there; the root's owner record is created
-with a conditional ``If-None-Match: *`` put.
+``core.errors.is_outage`` tells an outage ("not now") from a refusal ("no"). S3 has no rename, so a step's files go
+straight to their final keys and count only once the manifest, written last, is there; the root's owner record is
+created with a conditional ``If-None-Match: *`` put.
 
 Credentials come only from boto3's standard chain (environment, shared config and profiles, web identity, instance
 metadata); they are never part of a config and never logged.
@@ -28,31 +28,10 @@ s3_transfer = lazy_module("boto3.s3.transfer", globals())
 botocore_errors = lazy_module("botocore.exceptions", globals())
 s3transfer_errors = lazy_module("s3transfer.exceptions", globals())
 
-# Answers that mean "not now" rather than "no": retrying (or restarting the run later) can succeed.
-_OUTAGE_CODES = {
-    "NoSuchBucket",
-    "SlowDown",
-    "ServiceUnavailable",
-    "InternalError",
-    "RequestTimeout",
-    "Throttling",
-    "ThrottlingException",
-    "RequestLimitExceeded",
-}
-
 
 def remote_errors() -> tuple[type[Exception], ...]:
     """What an S3 store can raise; the store translates each to StoreUnavailable or StorageError."""
     return botocore_errors.BotoCoreError, botocore_errors.ClientError, s3transfer_errors.RetriesExceededError
-
-
-def is_outage(error: BaseException) -> bool:
-    """Whether an S3 error means "not now" (unreachable, throttled, bucket missing) rather than "no"."""
-    if isinstance(error, botocore_errors.ClientError):
-        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        return error.response.get("Error", {}).get("Code") in _OUTAGE_CODES or status >= 500
-    transient = (botocore_errors.ConnectionError, botocore_errors.HTTPClientError, botocore_errors.IncompleteReadError)
-    return isinstance(error, (*transient, s3transfer_errors.RetriesExceededError))
 
 
 class S3Backend:

@@ -39,7 +39,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from sage_grpo.core.errors import StoreUnavailable, UserError, first_line
+from sage_grpo.core.errors import StoreUnavailable, UserError, first_line, is_outage
 from sage_grpo.core.files import sha256_and_size
 from sage_grpo.core.secrets import mask_uri
 from sage_grpo.core.storage.locations import same_location
@@ -59,7 +59,7 @@ from sage_grpo.core.storage.manifest import (
     staged_files,
     step_dir,
 )
-from sage_grpo.core.storage.s3_store import is_outage, remote_errors
+from sage_grpo.core.storage.s3_store import remote_errors
 
 if TYPE_CHECKING:
     from sage_grpo.core.storage.config import CheckpointConfig
@@ -532,7 +532,7 @@ class CheckpointStore:
             self.backend.delete_key(f"{step_dir(step)}/{MANIFEST_NAME}")
             self.backend.delete_tree(step_dir(step))
         except (OSError, *remote_errors()) as error:  # pruning logs these instead of stopping a training run
-            logger.warning("could not delete %s/%s: %s", self.uri, step_dir(step), mask_uri(first_line(error)))
+            logger.warning("could not delete %s/%s: %s", self.uri, step_dir(step), first_line(error))
             return False
         logger.info("pruned %s/%s", self.uri, step_dir(step))
         return True
@@ -546,7 +546,7 @@ class CheckpointStore:
             except remote_errors() as error:
                 if not is_outage(error) or time.monotonic() + delay > deadline:
                     raise self._translate(error, what) from None
-                line = mask_uri(first_line(error))
+                line = first_line(error)
                 logger.warning("%s unreachable while %s (%s); retrying in %.0f s", self.uri, what, line, delay)
             except StoreUnavailable as error:  # from a translated read inside the action
                 if time.monotonic() + delay > deadline:
@@ -556,7 +556,7 @@ class CheckpointStore:
             delay = min(2 * delay, _RETRY_MAX_DELAY_S)
 
     def _translate(self, error: BaseException, what: str) -> Exception:
-        line = mask_uri(first_line(error))
+        line = first_line(error)
         if is_outage(error):
             return StoreUnavailable(f"checkpoint store {self.uri} unavailable while {what}: {line}")
         return StorageError(f"checkpoint store {self.uri} refused {what}: {line}")
