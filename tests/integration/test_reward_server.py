@@ -399,7 +399,7 @@ def test_a_token_is_required_when_configured_and_never_logged(tmp_path):
 
 
 def test_a_hanging_reward_answers_503_within_the_request_timeout(tmp_path):
-    # What the server does next (unhealthy, rebuilt rewards) is probed in test_probe_reward_server.py.
+    # What the server does next (unhealthy, rebuilt rewards) is tested in test_reward_server_hostile_clients.py.
     calls = tmp_path / "calls.txt"
     served = Served(
         tmp_path,
