@@ -212,3 +212,33 @@ class SGDEngine(torch.nn.Module):
 
     def get_global_grad_norm(self):
         return None
+
+
+@contextlib.contextmanager
+def gone_and_running_pids() -> Iterator[dict[str, int]]:
+    """A pid whose process is gone, one whose process runs, and this process's: the owners a leftover (a staging
+    folder, a rendezvous folder) can name."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    running = subprocess.Popen(["sleep", "600"])
+    try:
+        yield {"gone": gone.pid, "running": running.pid, "this": os.getpid()}
+    finally:
+        running.kill()
+        running.wait()
+
+
+def make_leftover(path: Path, kind: str = "folder", uid: int | None = None) -> Path:
+    """A folder holding a weights file, a file, or a link to a folder at ``path``, owned by ``uid`` when given."""
+    if kind == "folder":
+        path.mkdir()
+        (path / "weights.safetensors").write_bytes(b"a full copy of the weights")
+    elif kind == "file":
+        path.write_bytes(b"a file")
+    else:
+        target = path.with_name("link-target")
+        target.mkdir()
+        path.symlink_to(target, target_is_directory=True)
+    if uid is not None:
+        os.chown(path, uid, -1, follow_symlinks=False)
+    return path

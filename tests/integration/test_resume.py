@@ -121,11 +121,11 @@ def _start(output: Path, kind: str) -> subprocess.Popen:
     )
 
 
-def _wait_for(predicate, process: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
+def _wait_for(predicate, process: subprocess.Popen) -> None:
+    """Until ``predicate()`` holds, however slow the machine: the run reaches that moment or ends (a failure here);
+    a run that hangs is the per-test limit's to stop."""
     while not predicate():
         assert process.poll() is None, "the run ended before the moment the test waits for"
-        assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
 
 
@@ -137,7 +137,7 @@ def test_sigterm_checkpoints_exits_retryable_and_resumes(straight_run, tmp_path)
     # The embedding cache is written during the first rollout: the run is mid-iteration 1.
     _wait_for(lambda: (tmp_path / "embedding-cache").exists() and mlflow_db.exists(), process)
     process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=300)
+    output, _ = process.communicate()
     assert process.returncode == RETRYABLE_EXIT_CODE, output[-4000:]
     committed = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
     assert committed and "resume with" in output
@@ -153,7 +153,7 @@ def test_sigkill_in_the_middle_of_a_save_loses_nothing(straight_run, tmp_path):
     staging = tmp_path / "checkpoint-staging" / "step-2"
     _wait_for(lambda: staging.exists() and any(staging.rglob("*.pt")), process)
     process.kill()
-    process.wait(timeout=60)
+    process.wait()
     assert not (tmp_path / "checkpoints" / "step-2" / "manifest.json").exists()
     resumed = run_sagegrpo(tmp_path, "run.max_iterations=4", *KINDS[kind], flags=("--resume", "auto"))
     assert resumed.returncode == 0, resumed.stderr[-4000:]

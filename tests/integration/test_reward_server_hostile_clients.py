@@ -1,5 +1,5 @@
-"""Probes of the reward server as a client nobody vouched for would send them, against a real server process:
-sockets that never finish a request, a reward call that hangs, and metadata built to break the decoder or collide
+"""The reward server, a real process, against what a client nobody vouched for would send: sockets that never
+finish a request, a reward call that hangs, and metadata built to break the decoder or collide
 with a reward's own parameter names. Each family must leave the server scoring real requests."""
 
 import json

@@ -1,12 +1,10 @@
-"""The anchor's swap/refresh logic on a plain module, and how DeepSpeed's "auto" fields are filled."""
-
-import json
+"""The anchor's swap/refresh logic on a plain module, the update's accumulation and throughput options, and ZeRO-3's
+leaf modules. DeepSpeed's JSON is tested in test_deepspeed_json.py."""
 
 import pytest
 import torch
 
 from sage_grpo.stages.anchor import Anchor
-from sage_grpo.stages.engine import deepspeed_config
 from sage_grpo.stages.update import UpdateConfig
 
 pytestmark = pytest.mark.unit
@@ -83,29 +81,6 @@ def test_anchor_rejects_a_checkpoint_of_other_shapes():
     anchor = Anchor.snapshot(_module())
     with pytest.raises(ValueError, match="shapes"):
         anchor.load_state_dict({"refreshes": 0, "values": [torch.zeros(1), torch.zeros(1)]})
-
-
-def test_auto_fields_are_filled_from_the_run_config():
-    config = deepspeed_config(
-        "zero3", micro_batch_size=2, accumulation_steps=19, max_grad_norm=0.5, bf16=True, world_size=1
-    )
-    assert config["train_micro_batch_size_per_gpu"] == 2
-    assert config["gradient_accumulation_steps"] == 19
-    assert config["train_batch_size"] == 38
-    assert config["gradient_clipping"] == 0.5 and config["bf16"]["enabled"] is True
-    assert config["zero_optimization"]["stage"] == 3
-
-
-def test_a_json_that_disagrees_with_the_run_config_is_rejected(tmp_path):
-    path = tmp_path / "mine.json"
-    path.write_text(json.dumps({"gradient_clipping": 2.0, "zero_optimization": {"stage": 3}}))
-    with pytest.raises(ValueError, match="gradient_clipping"):
-        deepspeed_config(str(path), micro_batch_size=1, accumulation_steps=1, max_grad_norm=1.0, bf16=False)
-
-
-@pytest.mark.parametrize("name", ["zero2", "zero3", "zero3_offload"])
-def test_every_shipped_deepspeed_config_loads(name):
-    assert deepspeed_config(name, micro_batch_size=1, accumulation_steps=4, max_grad_norm=1.0, bf16=False)
 
 
 def test_accumulation_counts_micro_steps_per_update():

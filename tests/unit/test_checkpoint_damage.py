@@ -1,4 +1,4 @@
-"""Probe corpus, damaged and hostile checkpoints: a ``latest`` that names no committed step, steps whose manifest
+"""Damaged and hostile checkpoints: a ``latest`` that names no committed step, steps whose manifest
 verifies but is wrong, state files of another structure, planted pickles, links and special files inside a step.
 
 ``--resume auto`` never starts over when a verified step exists: it sets the bad step aside with one warning line

@@ -1,8 +1,10 @@
-"""Probe corpus, export targets: an export replaces only an earlier export of ours. Whatever else is at ``--out`` (a
+"""Export targets: an export replaces only an earlier export of ours. Whatever else is at ``--out`` (a
 folder of other models and files, a run's own output folder, a checkpoint root, an export someone added to or
-changed, a file, a link) is refused in one line (exit 2) and left byte for byte as it was."""
+changed, a file, a link) is refused in one line (exit 2) and left byte for byte as it was. What a killed export left
+(its staging, a full weight copy) is removed by the next export, and only that."""
 
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from sage_grpo.core.lora import LoraConfig, add_lora
 from sage_grpo.core.models.tiny import tiny_hunyuan15_pipeline
 from sage_grpo.core.storage import CheckpointConfig
 from sage_grpo.pipeline import cli
+from tests.helpers import gone_and_running_pids, make_leftover
 
 pytestmark = pytest.mark.unit
 
@@ -205,3 +208,47 @@ def test_sagegrpo_export_refuses_a_missing_checkpoint_or_an_owned_default_target
     [line] = captured.err.strip().splitlines()
     assert line.startswith("sagegrpo: error:") and refusal in line
     assert captured.out == "" and _snapshot(output) == before
+
+
+# --- What a killed export left --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pids():
+    with gone_and_running_pids() as pids:
+        yield pids
+
+
+def staging(pid: int, name: str = "step-8") -> str:
+    return f".{name}.{pid}-{uuid.uuid4().hex}.tmp"
+
+
+# (name, kind, owner's uid or None for ours, removed?)
+EXPORT_LEFTOVERS = {
+    "a killed export's staging": (lambda p: staging(p["gone"]), "folder", None, True),
+    "another step's, killed": (lambda p: staging(p["gone"], "step-4"), "folder", None, True),
+    "this pid's (a restarted container)": (lambda p: staging(p["this"]), "folder", None, True),
+    "a running export's staging": (lambda p: staging(p["running"]), "folder", None, False),
+    "another user's": (lambda p: staging(p["gone"]), "folder", 12345, False),
+    "a file of that name": (lambda p: staging(p["gone"]), "file", None, False),
+    "a link of that name": (lambda p: staging(p["gone"]), "link", None, False),
+    "a user's .tmp folder": (lambda p: ".step-8.tmp", "folder", None, False),
+    "a pid-less name": (lambda p: f".step-8.{uuid.uuid4().hex}.tmp", "folder", None, False),
+    "an export": (lambda p: "step-2", "folder", None, False),
+}
+
+
+@pytest.mark.parametrize("case", EXPORT_LEFTOVERS)
+def test_an_export_removes_only_the_staging_a_killed_export_left(adapter, tmp_path, pids, case):
+    name, kind, uid, removed = EXPORT_LEFTOVERS[case]
+    if uid is not None and os.getuid() != 0:
+        pytest.skip("making a folder another user's needs root")
+    exports = tmp_path / "exports"
+    exports.mkdir()
+    leftover = make_leftover(exports / name(pids), kind, uid)
+
+    export_lora(adapter, exports / "step-8")
+
+    assert (leftover.exists() or leftover.is_symlink()) != removed
+    assert (exports / "step-8" / "export.json").is_file()
+    assert len([p for p in exports.iterdir() if p.name.startswith(".step-8.") and p != leftover]) == 0

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.unit
 
 NOT_UTF8 = b"caf\xe9 at night"  # latin-1, not UTF-8
 TOO_LONG = b"x" * 21
+DEEP = 100_000
 
 
 def write(tmp_path, name: str, lines: list[bytes]) -> str:
@@ -278,3 +279,23 @@ def test_metadata_for_follows_the_ids_a_rollout_gives_its_samples(tmp_path):
     lines = [json.dumps({"prompt": f"prompt {i}", "style": f"s{i}"}).encode() for i in range(3)]
     prompts = run(write(tmp_path, "p.jsonl", lines))
     assert prompts.metadata_for(torch.tensor([2, 2, 0])) == [{"style": "s2"}, {"style": "s2"}, {"style": "s0"}]
+
+
+# A line the JSON reader cannot take (nested past its limit, an integer past Python's 4300 digits) is a bad line.
+BAD_LINES = {
+    "nested-list": '{"prompt": "a", "m": ' + "[" * DEEP + "]" * DEEP + "}",
+    "nested-object": '{"prompt": "a", "m": ' + '{"k": ' * DEEP + "1" + "}" * DEEP + "}",
+    "nested-whole-line": "[" * DEEP + "]" * DEEP,
+    "huge-integer": '{"prompt": "a", "n": ' + "9" * 4301 + "}",  # one past the 4300 digits int() converts
+    "huge-negative-integer": '{"prompt": "a", "n": -' + "1" * 5000 + "}",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_LINES))
+def test_a_prompt_line_the_json_reader_cannot_take_is_skipped_and_counted(tmp_path, kind):
+    lines = [json.dumps({"prompt": "a cat"}), BAD_LINES[kind], json.dumps({"prompt": "a dog", "n": 10**4000})]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    prompts = ingest(DataConfig(source=str(path), eval_fraction=0.0))
+    assert [(prompt.text, prompt.line) for prompt in prompts.train] == [("a cat", 1), ("a dog", 3)]
+    assert prompts.report.skipped["undecodable"] == [2]

@@ -1,13 +1,10 @@
-"""Learning-rate schedules against their closed forms; the DeepSpeed JSON filled from the run like DeepSpeed's HF
-integration does (auto fields filled, disagreements refused, bucket sizes from the hidden size)."""
+"""Learning-rate schedules against their closed forms."""
 
-import json
 import math
 
 import pytest
 
 from sage_grpo.core.lr_schedules import lr_multiplier
-from sage_grpo.stages.engine import deepspeed_config
 
 pytestmark = pytest.mark.unit
 
@@ -26,43 +23,3 @@ def test_cosine_decay_reaches_the_floor():
     assert values[0] == 1.0 and values[4] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)))
     assert values[8] == pytest.approx(0.1) and values[9] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(values, values[1:]))
-
-
-def _fill(path, **overrides):
-    return deepspeed_config(
-        str(path), **{"micro_batch_size": 2, "accumulation_steps": 3, "max_grad_norm": 1.0, "bf16": False, **overrides}
-    )
-
-
-def test_auto_fields_are_filled_and_buckets_follow_the_hidden_size(tmp_path):
-    path = tmp_path / "ds.json"
-    path.write_text(
-        json.dumps(
-            {
-                "train_batch_size": "auto",
-                "bf16": {"enabled": "auto"},
-                "zero_optimization": {
-                    "stage": 3,
-                    "reduce_bucket_size": "auto",
-                    "stage3_prefetch_bucket_size": "auto",
-                    "stage3_param_persistence_threshold": 1000,
-                },
-            }
-        )
-    )
-    config = _fill(path, world_size=4, hidden_size=64)
-    assert config["train_batch_size"] == 2 * 3 * 4 and config["gradient_accumulation_steps"] == 3
-    assert config["bf16"]["enabled"] is False
-    zero = config["zero_optimization"]
-    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"]) == (64 * 64, int(0.9 * 64 * 64))
-    assert zero["stage3_param_persistence_threshold"] == 1000  # a value the user set stays
-
-
-@pytest.mark.parametrize(
-    "field,value", [("train_batch_size", 7), ("bf16", {"enabled": True}), ("gradient_accumulation_steps", 2)]
-)
-def test_a_value_that_disagrees_with_the_run_is_refused_not_overwritten(tmp_path, field, value):
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps({field: value}))
-    with pytest.raises(ValueError, match="disagrees with the run config"):
-        _fill(path, world_size=1)

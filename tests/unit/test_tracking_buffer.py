@@ -1,4 +1,4 @@
-"""Probe corpus, buffered metrics: two runs share an output folder (and its embedded MLflow store). Run A's metrics
+"""Buffered metrics: two runs share an output folder (and its embedded MLflow store). Run A's metrics
 were left in ``mlflow-buffer.jsonl`` by an outage; run B (another training run) must neither log A's rows nor skip
 its own iterations because of them, and A, resumed, still sends its rows to its own MLflow run."""
 
