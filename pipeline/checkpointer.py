@@ -19,13 +19,16 @@ iteration then takes ``prompts_per_rank`` x the new world size prompts.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import logging
+import os
 import random
 import re
 import shutil
+import socket
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,6 +38,7 @@ import torch
 
 from sage_grpo.core import distributed
 from sage_grpo.core.errors import UserError
+from sage_grpo.core.files import remove_abandoned
 from sage_grpo.core.safe_load import UnsafeCheckpointError, convert_to_universal, load_engine_checkpoint
 from sage_grpo.core.storage import CheckpointError, FileEntry, Manifest, load_torch
 from sage_grpo.pipeline.config import RunConfig
@@ -43,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 ENGINE_TAG = "engine"
 UNIVERSAL_TAG = "universal"  # the engine tag converted for another world size, beside it in the restore folder
-RESTORE_DIR = "checkpoint-restore"  # under the output folder: a step being restored, removed once it is loaded
+# Under the output folder: one folder per restoring job and host (a run, an export, an eval), removed once loaded.
+RESTORE_DIR = "checkpoint-restore"
 _RANK_FILE = re.compile(r"pipeline_state_rank(0|[1-9][0-9]*)\.pt")
 _PLAIN = (str, int, float, bool, type(None))
 
@@ -75,7 +80,9 @@ class RNGState:
 
 def config_hash(config: RunConfig) -> str:
     """What must match for a checkpoint to continue this run: everything but how long it runs, where it logs and
-    where it publishes."""
+    where it publishes, and how it reaches its stores. Every ``s3`` key is transport (endpoint, region, addressing,
+    retries, timeouts: a store behind a new proxy is the same store); what names a store, ``data.source`` and
+    ``eval.source``, must match, and the checkpoint store is the one the step was read from."""
     data = config.model_dump(
         mode="json",
         exclude={
@@ -84,6 +91,7 @@ def config_hash(config: RunConfig) -> str:
             "checkpoint": True,
             "registry": True,
             "parallel": True,  # how ranks share the work, as the world size (which a resume may change too)
+            "s3": True,
         },
     )
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
@@ -199,8 +207,8 @@ class Checkpointer:
                 manifest.world_size,
                 distributed.world_size(),
             )
-        local = self.work_dir / RESTORE_DIR / f"step-{step}"
-        leader = distributed.node_leader()  # one download (and conversion) per host; every rank of the host reads it
+        restore, leader = self._restore_folder()  # one download (and conversion) per host; its ranks read it
+        local = restore / f"step-{step}"
         try:
             distributed.gather_or_raise(lambda: self._fetch(step, local, resharded) if leader else None)
             # A checkpoint is data: DeepSpeed's files load with weights_only forced (core.safe_load), ours with
@@ -225,15 +233,33 @@ class Checkpointer:
             distributed.barrier()
         finally:
             if leader:
-                shutil.rmtree(local.parent, ignore_errors=True)
+                shutil.rmtree(restore, ignore_errors=True)
+                with contextlib.suppress(OSError):  # another reader's folder is still in it
+                    restore.parent.rmdir()
         logger.info("loaded checkpoint step-%d of %s", step, self.store.uri)
         self.last_step = step
         if same_run:
             self.run_id = distributed.on_main(lambda: manifest.run_id or self.store.owner())
         return step
 
+    def _restore_folder(self) -> tuple[Path, bool]:
+        """This job's restore folder on this host, and whether this rank fetches into it (the host's lowest rank).
+
+        Private to the job: two readers of one output folder (two exports, an eval beside a resuming run) each restore
+        into their own, so neither removes or overwrites the files the other is loading. It is named by the host and
+        the fetching process's id (:func:`_abandoned_restores`), so a later restore removes it once that process is
+        gone (killed mid-restore), and never while it runs."""
+        ranks = distributed.gather_or_raise(lambda: (socket.gethostname(), os.getpid()))
+        host = ranks[distributed.rank()][0]
+        leader = next(rank for rank, (name, _) in enumerate(ranks) if name == host)
+        token = distributed.broadcast_from_main(uuid.uuid4().hex)
+        return self.work_dir / RESTORE_DIR / f"{host}-{ranks[leader][1]}-{token}", leader == distributed.rank()
+
     def _fetch(self, step: int, local: Path, resharded: bool) -> None:
-        shutil.rmtree(local.parent, ignore_errors=True)  # and any step a killed restore left
+        restores = self.work_dir / RESTORE_DIR
+        remove_abandoned(restores, _abandoned_restores(socket.gethostname()))
+        for earlier in restores.glob("step-*"):  # a killed restore of the shared layout before private folders
+            shutil.rmtree(earlier, ignore_errors=True)
         self.store.download(step, local)  # verifies every file's size and sha256 before anything loads it
         if resharded:
             convert_to_universal(local / ENGINE_TAG, local / UNIVERSAL_TAG)
@@ -290,12 +316,18 @@ class Checkpointer:
         if same_run and manifest.config_hash != self.config_hash:
             raise UserError(
                 f"checkpoint step-{step} was written with a different config; only run.max_iterations, "
-                "run.time_budget_minutes, tracking, checkpoint, registry and parallel may change on resume"
+                "run.time_budget_minutes, tracking, checkpoint, registry, parallel and s3 may change on resume"
             )
 
     @staticmethod
     def _rank_file(folder: Path, rank: int | None = None) -> Path:
         return folder / f"pipeline_state_rank{distributed.rank() if rank is None else rank}.pt"
+
+
+def _abandoned_restores(host: str) -> re.Pattern[str]:
+    """The restore folders of this host (``Checkpointer._restore_folder``): those of another host sharing the output
+    folder carry process ids this host cannot check."""
+    return re.compile(rf"{re.escape(host)}-(?P<pid>[1-9][0-9]*)-[0-9a-f]{{32}}")
 
 
 def schema_problem(saved: Any, live: Any, where: str, *, shapes: bool = True) -> str | None:
