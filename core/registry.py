@@ -246,16 +246,32 @@ def _log_model_metrics(
     eval_set: EvalSet | None,
 ) -> None:
     """The eval metrics again, now with the model's id (what links them to it) and the evaluation set's name and
-    digest (MLflow's per-dataset metric view)."""
+    digest (MLflow's per-dataset metric view). A metric the run already has at ``step`` keeps its timestamp, as
+    ``log_model`` does: the store then links it to the model without a second point in the run's history (with a
+    new timestamp every final evaluation metric showed twice at its step)."""
     dataset = {"dataset_name": Path(eval_set.source).name, "dataset_digest": eval_set.digest} if eval_set else {}
     now = int(time.time() * 1000)
     client.log_batch(
         run_id,
         metrics=[
-            Metric(name, float(value), now, step, model_id=model_id, run_id=run_id, **dataset)
+            Metric(
+                name,
+                float(value),
+                _logged_at(client, run_id, name, float(value), step) or now,
+                step,
+                model_id=model_id,
+                run_id=run_id,
+                **dataset,
+            )
             for name, value in metrics.items()
         ],
     )
+
+
+def _logged_at(client: MlflowClient, run_id: str, name: str, value: float, step: int) -> int | None:
+    """The timestamp of the run's point ``name`` = ``value`` at ``step``, or None when it has none."""
+    history = client.get_metric_history(run_id, name)
+    return next((m.timestamp for m in history if m.step == step and m.value == value and m.model_id is None), None)
 
 
 def _log_policy(
