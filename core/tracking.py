@@ -429,9 +429,8 @@ class Tracker:
         experiment = self._client.get_experiment_by_name(name)
         if experiment is not None:
             return experiment.experiment_id
-        # The embedded store would otherwise put artifacts in ./mlruns of whatever directory the job started in.
-        location = None if self.config.server_uri() else (self.run_dir / "mlflow-artifacts").resolve().as_uri()
-        return self._client.create_experiment(name, artifact_location=location)
+        # A database store would otherwise put artifacts in ./mlruns of whatever directory the job started in.
+        return self._client.create_experiment(name, artifact_location=self.config.artifact_location(self.run_dir))
 
     def _log_params(self) -> None:
         existing = self._client.get_run(self.run_id).data.params

@@ -13,6 +13,8 @@ from sage_grpo.core.errors import UserError, first_line
 from sage_grpo.core.secrets import mask_uri
 
 DEFAULT_EXPERIMENT = "sage-grpo"
+# The databases MLflow opens directly through SQLAlchemy (mlflow.store.db.db_types.DATABASE_ENGINES).
+_DATABASE_ENGINES = frozenset({"postgresql", "mysql", "sqlite", "mssql"})
 # URI schemes MLflow's tracking-store table always holds: a store URI of one of these needs no MLflow to accept.
 _BUILT_IN_STORE_SCHEMES = frozenset({"", "file", "http", "https"})
 
@@ -41,6 +43,21 @@ class TrackingConfig(BaseModel):
 
     def resolved_uri(self, run_dir: str | Path) -> str:
         return self.server_uri() or f"sqlite:///{(Path(run_dir) / 'mlflow.db').resolve()}"
+
+    def artifact_location(self, run_dir: str | Path) -> str | None:
+        """Where a new experiment keeps its artifacts. None where the store decides: a tracking server (its
+        ``--artifacts-destination``) or a file store (inside itself). A database opened directly has no artifact
+        root, and MLflow's default is ``./mlruns`` of whatever folder the job started in: beside a SQLite file
+        (``<its folder>/mlflow-artifacts``, the embedded store's ``<run_dir>/mlflow-artifacts`` included), else in
+        ``<run_dir>/mlflow-artifacts``."""
+        uri = self.resolved_uri(run_dir)
+        engine = uri.split(":", 1)[0].split("+", 1)[0]
+        if engine not in _DATABASE_ENGINES:
+            return None
+        database = uri[len("sqlite:///") :].split("?", 1)[0] if uri.startswith("sqlite:///") else ""
+        # sqlite:///x.db is relative to the working folder (as SQLAlchemy opens it), sqlite:////x.db absolute.
+        folder = Path(database).resolve().parent if database and database != ":memory:" else Path(run_dir).resolve()
+        return (folder / "mlflow-artifacts").as_uri()
 
     def experiment_name(self) -> str:
         from mlflow.environment_variables import MLFLOW_EXPERIMENT_NAME
