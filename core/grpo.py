@@ -130,18 +130,35 @@ class KLFeedback(str, Enum):
 
 
 class _KLWeight:
-    """What a KL-weight controller checkpoints: its update count, lambda and its window of measurements."""
+    """What a KL-weight controller checkpoints: its update count, lambda, its window of measurements and its
+    ``strength``, the factor :meth:`tighten` (the hacking guard, ``stages/evaluate.py``) has multiplied lambda's bounds
+    and its target pull by."""
 
     steps: int
     value: float
     measurements: deque[float]
+    strength: float = 1.0
+
+    def tighten(self, factor: float) -> None:
+        """A stronger trust region from now on: lambda and its bounds x ``factor``, and a target that asks for
+        ``factor`` times the pull (each controller's ``update`` reads ``strength``)."""
+        if not factor > 1:
+            raise ValueError(f"a tightening factor must be > 1, got {factor}")
+        self.strength *= factor
+        self.value *= factor
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps, "value": self.value, "measurements": list(self.measurements)}
+        return {
+            "steps": self.steps,
+            "value": self.value,
+            "measurements": list(self.measurements),
+            "strength": self.strength,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = int(state["steps"])
         self.value = float(state["value"])
+        self.strength = float(state["strength"])
         self.measurements.clear()
         self.measurements.extend(float(m) for m in state["measurements"])
 
@@ -182,16 +199,19 @@ class AdaptiveKLController(_KLWeight):
         reaches are not this controller's signals)."""
         self.measurements.append(float(measured_kl))
         self.steps += 1
+        # Tightened: lambda's range x strength, and a KL target strength times smaller.
+        initial, maximum = self.initial * self.strength, self.maximum * self.strength
+        target = self.target / self.strength
         if self.steps <= self.warmup_steps:
-            self.value = self.initial + (self.maximum - self.initial) * self.steps / self.warmup_steps
+            self.value = initial + (maximum - initial) * self.steps / self.warmup_steps
             return self.value
         recent = sum(self.measurements) / len(self.measurements)
-        high, low = recent > 1.5 * self.target, recent < 0.5 * self.target
+        high, low = recent > 1.5 * target, recent < 0.5 * target
         if self.feedback is KLFeedback.TOWARD_TARGET:
             factor = self.up if high else self.down if low else 1.0
         else:
             factor = self.down if high else self.up if low else 1.0
-        self.value = min(max(self.value * factor, self.initial), self.maximum)
+        self.value = min(max(self.value * factor, initial), maximum)
         return self.value
 
 
@@ -233,5 +253,7 @@ class GradientRatioController(_KLWeight):
         if not (self.measurements and next_reach > 0):
             return self.value
         mean_log_gain = sum(self.measurements) / len(self.measurements) + math.log(next_reach)
-        self.value = min(max(self.target / math.exp(mean_log_gain), self.minimum), self.maximum)
+        # Tightened: the ratio held, and lambda's range, x strength.
+        wanted = self.target * self.strength / math.exp(mean_log_gain)
+        self.value = min(max(wanted, self.minimum * self.strength), self.maximum * self.strength)
         return self.value

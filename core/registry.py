@@ -35,8 +35,12 @@ instead of creating a second one, then sets what is missing. :func:`promote` set
 rerun.
 
 Fairness: the gate compares a challenger with the champion only when both were scored on the same evaluation set
-(its digest, tag ``eval_set.digest``) of at least ``min_eval_prompts`` prompts; otherwise the challenger is rejected
-and the decision says why. The decision tag names the set's digest and size.
+(its digest, tag ``eval_set.digest``) of at least ``min_eval_prompts`` prompts, and by the same evaluation definition
+(tag ``eval_set.definition``: the digest of the rewards, their weights and kwargs, the extra metrics, the judges, the
+prompt set and the seed, ``stages.evaluate.eval_definition``); otherwise the challenger is rejected, the decision says
+why in one line, and it is marked not comparable (``promote`` then exits 2). The decision tag names the set's digest
+and size. Judges' metrics (``eval/judge/<dimension>``) are recorded like the rewards', so the primary metric or a
+guard can be a judge.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ import sage_grpo
 from sage_grpo.core.errors import RetryableStop, UserError, first_line
 from sage_grpo.core.export import LORA_WEIGHT_NAME, read_export_manifest
 from sage_grpo.core.files import file_sha256
-from sage_grpo.core.registry_config import DEFAULT_MIN_EVAL_PROMPTS, DEFAULT_PRIMARY_METRIC
+from sage_grpo.core.registry_config import DEFAULT_MARGIN, DEFAULT_MIN_EVAL_PROMPTS, DEFAULT_PRIMARY_METRIC
 from sage_grpo.core.secrets import MASK, mask_uri
 from sage_grpo.core.storage import load_tensors
 from sage_grpo.core.tracking import is_outage
@@ -87,6 +91,8 @@ METRIC_TAG_PREFIX = "metric."
 EVAL_SET_DIGEST_TAG = "eval_set.digest"
 EVAL_SET_SIZE_TAG = "eval_set.size"
 EVAL_SET_SOURCE_TAG = "eval_set.source"
+EVAL_DEFINITION_TAG = "eval_set.definition"
+EVAL_DEFINITION_SUMMARY_TAG = "eval_set.definition_summary"
 MODEL_MANIFEST = "sha256sums.json"
 TINY_BASE_MODEL = "tiny-hunyuan15"
 
@@ -99,6 +105,9 @@ class EvalSet:
     digest: str
     size: int
     source: str
+    # How it was scored: the evaluation definition's digest ("" when not recorded) and a short readable account.
+    definition: str = ""
+    definition_summary: str = ""
 
     @classmethod
     def from_tags(cls, tags: dict[str, str]) -> EvalSet | None:
@@ -107,10 +116,24 @@ class EvalSet:
         size = tags.get(EVAL_SET_SIZE_TAG, "")
         if not size.isdecimal():  # tags are anyone's to edit: a size that is not a count is no exam to trust
             raise UserError(f"tag {EVAL_SET_SIZE_TAG}={size[:40]!r} is not a number of prompts")
-        return cls(tags[EVAL_SET_DIGEST_TAG], int(size), tags.get(EVAL_SET_SOURCE_TAG, ""))
+        return cls(
+            tags[EVAL_SET_DIGEST_TAG],
+            int(size),
+            tags.get(EVAL_SET_SOURCE_TAG, ""),
+            tags.get(EVAL_DEFINITION_TAG, ""),
+            tags.get(EVAL_DEFINITION_SUMMARY_TAG, ""),
+        )
 
     def tags(self) -> dict[str, str]:
-        return {EVAL_SET_DIGEST_TAG: self.digest, EVAL_SET_SIZE_TAG: str(self.size), EVAL_SET_SOURCE_TAG: self.source}
+        tags = {EVAL_SET_DIGEST_TAG: self.digest, EVAL_SET_SIZE_TAG: str(self.size), EVAL_SET_SOURCE_TAG: self.source}
+        if self.definition:  # tag values are capped (5000 characters on most stores): the summary is cut
+            tags |= {EVAL_DEFINITION_TAG: self.definition, EVAL_DEFINITION_SUMMARY_TAG: self.definition_summary[:1000]}
+        return tags
+
+    def definition_described(self) -> str:
+        if not self.definition:
+            return "no recorded evaluation definition"
+        return f"definition {self.definition[:12]} ({self.definition_summary or 'no summary'})"
 
     def described(self) -> str:
         return f"evaluation set sha256:{self.digest} ({self.size} prompts)"
@@ -504,6 +527,7 @@ class PromotionDecision:
     reasons: list[str] = field(default_factory=list)
     dry_run: bool = False
     eval_set: EvalSet | None = None  # the candidate's
+    comparable: bool = True  # False: its scores could not be judged against the champion's (see the reasons)
 
     def summary(self) -> str:
         verb = (
@@ -526,7 +550,7 @@ def promote(
     *,
     version: str | int | None = None,
     primary_metric: str = DEFAULT_PRIMARY_METRIC,
-    min_improvement: float = 0.0,
+    min_improvement: float = DEFAULT_MARGIN,
     guarded: dict[str, float] | None = None,
     min_eval_prompts: int = DEFAULT_MIN_EVAL_PROMPTS,
     dry_run: bool = False,
@@ -544,7 +568,8 @@ def promote(
         return PromotionDecision(
             model_name, candidate.version, champion.version, True, ["already the champion"], dry_run, exam
         )
-    problem = _exam_problem(exam, champion, min_eval_prompts)
+    mismatch = _comparison_problem(exam, champion)
+    problem = mismatch or _exam_problem(exam, min_eval_prompts)
     promoted, reasons = (
         (False, [problem])
         if problem
@@ -557,7 +582,14 @@ def promote(
         )
     )
     decision = PromotionDecision(
-        model_name, candidate.version, champion.version if champion else None, promoted, reasons, dry_run, exam
+        model_name,
+        candidate.version,
+        champion.version if champion else None,
+        promoted,
+        reasons,
+        dry_run,
+        exam,
+        comparable=mismatch is None,
     )
     if not dry_run:
         _record(client, decision)
@@ -577,20 +609,34 @@ def _candidate(client: MlflowClient, model_name: str, version: str | int | None)
     return challenger
 
 
-def _exam_problem(exam: EvalSet | None, champion: ModelVersion | None, min_eval_prompts: int) -> str | None:
-    """Why the candidate's scores cannot be judged, if they cannot: no recorded set, too few prompts, or another
-    set than the champion's."""
+def _comparison_problem(exam: EvalSet | None, champion: ModelVersion | None) -> str | None:
+    """Why the candidate's scores and the champion's say nothing about each other, if they do not: no recorded
+    evaluation set, another set than the champion's, or another evaluation definition (either side unrecorded
+    included). A first champion has nothing to be compared with."""
     if exam is None:
         return "this version records no evaluation set (eval_set.* tags): its metrics cannot be compared"
-    if exam.size < min_eval_prompts:
-        return f"its evaluation set has {exam.size} prompts, fewer than the minimum {min_eval_prompts}"
-    theirs = EvalSet.from_tags(champion.tags) if champion else None
-    if champion is not None and (theirs is None or theirs.digest != exam.digest):
+    if champion is None:
+        return None
+    theirs = EvalSet.from_tags(champion.tags)
+    if theirs is None or theirs.digest != exam.digest:
         scored_on = theirs.described() if theirs else "no recorded evaluation set"
         return (
             f"champion v{champion.version} was scored on {scored_on}, this version on another: not comparable "
             f"(score both on one fixed set, eval.source, or move the {CHAMPION} alias by hand)"
         )
+    if not theirs.definition or theirs.definition != exam.definition:
+        return (
+            f"champion v{champion.version} was evaluated by {theirs.definition_described()}, this version by "
+            f"{exam.definition_described()}: different evaluation definitions, not comparable (evaluate both with "
+            f"the same rewards, weights, kwargs, judges and seed, or move the {CHAMPION} alias by hand)"
+        )
+    return None
+
+
+def _exam_problem(exam: EvalSet, min_eval_prompts: int) -> str | None:
+    """Why the candidate's exam is too small to judge by, if it is."""
+    if exam.size < min_eval_prompts:
+        return f"its evaluation set has {exam.size} prompts, fewer than the minimum {min_eval_prompts}"
     return None
 
 

@@ -248,7 +248,7 @@ def _add_promote(subparsers) -> None:
     parser.add_argument("--version", help="model version to judge (default: the challenger)")
     parser.add_argument("--primary-metric", help="default: registry.primary_metric, eval/reward")
     parser.add_argument(
-        "--margin", type=float, help="the primary metric must improve by more (default: registry.margin, 0)"
+        "--margin", type=float, help="the primary metric must improve by more (default: registry.margin, 0.002)"
     )
     parser.add_argument(
         "--guard",
@@ -320,7 +320,9 @@ def _add_schedule(subparsers) -> None:
     parser.add_argument("--checkpoint-root", required=True, help="folder or s3:// prefix of the scheduled runs")
     parser.add_argument("--model", required=True, help="registered model name for promotion")
     parser.add_argument("--work-dir", default="/cache/runs", help="local folder for outputs and caches")
-    parser.add_argument("--nproc-per-node", type=int, default=8, help="training processes (GPUs) on this node")
+    parser.add_argument(
+        "--nproc-per-node", type=int, help="training processes on this node (default: its GPU count, 1 without one)"
+    )
     parser.add_argument("--date", type=date.fromisoformat, default=None, help="today, for tests (YYYY-MM-DD)")
     parser.add_argument("--dry-run", action="store_true", help="print the decision and commands, run nothing")
     parser.set_defaults(handler=_schedule)

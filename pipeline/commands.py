@@ -141,6 +141,11 @@ def _summary_text(config: RunConfig, summary) -> str:
             lines.append(f"  browse it:   mlflow ui --backend-store-uri {mask_uri(summary.tracking_uri)}")
     if summary.status == "preempted":
         lines.append(f"  resume with: sagegrpo run CONFIG --resume auto   (exit code {summary.exit_code}: retryable)")
+    if summary.status == "hacking":
+        lines.append(
+            f"  stopped:     by the hacking guard (the reward rose while a judge fell); the export is the best step by "
+            f"{config.checkpoint.best_metric}; nothing registered (exit code {summary.exit_code})"
+        )
     return "\n".join(lines)
 
 
@@ -410,7 +415,9 @@ def promote_command(
             dry_run=dry_run,
         )
     print(decision.summary())
-    return 0
+    # Scores that cannot be compared are a setup to fix (one fixed evaluation set and definition), not a verdict:
+    # a scheduler must see the job fail, the same way every time.
+    return 0 if decision.comparable else UserError.exit_code
 
 
 def _registry_tracking_uri(config: RunConfig | None) -> str:
@@ -431,7 +438,7 @@ def schedule_command(
     checkpoint_root: str,
     model: str,
     work_dir: str,
-    nproc_per_node: int,
+    nproc_per_node: int | None,
     today: date | None,
     dry_run: bool,
 ) -> int:

@@ -109,7 +109,24 @@ class RunConfig(_Section):
                 "(deepspeed.config: zero2)"
             )
         self._check_sequence_split()
+        self._check_hacking_guard()
         return self
+
+    def _check_hacking_guard(self) -> None:
+        """A guard that stops exports the best checkpoint by a judge: the retention must keep that step, and every
+        evaluation must be checkpointed for it to be there."""
+        if self.eval.guard.action != "stop" or not self.eval.judges or not self.eval.every:
+            return
+        if not (self.checkpoint.best_metric or "").startswith("eval/judge/"):
+            raise ValueError(
+                "eval.guard.action=stop exports the best checkpoint by a judge: set "
+                "checkpoint.best_metric=eval/judge/<dimension>"
+            )
+        if not self.checkpoint.every or self.eval.every % self.checkpoint.every:
+            raise ValueError(
+                f"eval.guard.action=stop needs every evaluation checkpointed: eval.every={self.eval.every} must be "
+                f"a multiple of checkpoint.every={self.checkpoint.every}"
+            )
 
     def _check_sequence_split(self) -> None:
         """K must divide the heads and the video tokens (Ulysses splits both) and, once launched, the world size."""

@@ -60,7 +60,10 @@ class RunSummary:
 
     @property
     def exit_code(self) -> int:
-        """A run stopped early (preempted, or out of its time budget) checkpointed and is not done: retryable."""
+        """A run stopped early (preempted, or out of its time budget) checkpointed and is not done: retryable. One
+        the hacking guard stopped is done and must not count as completed."""
+        if self.status == "hacking":
+            return evaluation.HACKING_STOP_EXIT_CODE
         return 0 if self.status == "completed" else RETRYABLE_EXIT_CODE
 
 
@@ -139,6 +142,7 @@ class SageGRPORecipe:
         self.scorer = self._build_scorer()
         self.scorer.check_metadata([p.metadata for p in self.prompt_set.train])
         self.eval_scorer = self._build_scorer(evaluation=True) if self.eval_prompts and config.eval.every else None
+        self.eval_judges = self._build_judges()
         self._setup_policy()
         self.checkpointer = Checkpointer(
             config,
@@ -156,7 +160,9 @@ class SageGRPORecipe:
                 config, run_id=self.progress.mlflow_run_id, identity=self.checkpointer.run_id
             )
             self.tracker.describe(tags=self._run_tags(), params=self._derived_params())
-            self.tracker.log_prompt_set(self.prompt_set, config.data.source)
+            self.tracker.log_prompt_set(
+                self.prompt_set, config.data.source, (self.eval_set, config.eval.source or config.data.source)
+            )
         # Iterations past the restored one are re-executed (identically): neither MLflow nor the audit repeats them.
         self.logged_through = self.tracker.logged_through("iteration") if distributed.is_main() else 0
         self.audit = Audit(config.output_dir / "audit" / f"rank-{distributed.rank()}.jsonl", self.checkpointer.run_id)
@@ -207,6 +213,7 @@ class SageGRPORecipe:
         distributed.init(self.config.deepspeed.collective_timeout_minutes)
         self._setup_prompts()
         self.eval_scorer = self._build_scorer(evaluation=True)
+        self.eval_judges = self._build_judges()
         self._setup_policy()
         self.tracker = Tracker(self.config.tracking.model_copy(update={"enabled": False}), self.config.output_dir)
         self.checkpoint_name = "initial"
@@ -225,6 +232,7 @@ class SageGRPORecipe:
             held_out = ingest(fixed, self.config.s3).train
         else:
             held_out = self.prompt_set.eval[: self.config.eval.num_prompts]
+        self.eval_set = held_out  # what every evaluation scores, and MLflow records as the evaluation dataset
         self.eval_prompts = [p.text for p in held_out]
         self.eval_metadata = [p.metadata for p in held_out]
 
@@ -238,6 +246,15 @@ class SageGRPORecipe:
         config = self.config
         specs = config.rewards + (config.eval.metrics if evaluation else [])
         scorer = Scorer(specs, **config.scoring.model_dump())
+        scorer.setup(distributed.device())
+        return scorer
+
+    def _build_judges(self) -> Scorer | None:
+        """``eval.judges``, each dimension reported and none weighted: a judge never enters any total."""
+        judges = [spec.model_copy(update={"weights": {}}) for spec in self.config.eval.judges]
+        if not judges:
+            return None
+        scorer = Scorer(judges, **self.config.scoring.model_dump())
         scorer.setup(distributed.device())
         return scorer
 
@@ -264,11 +281,14 @@ class SageGRPORecipe:
             unit="it",
             dynamic_ncols=True,
         )
+        if self._guard_stopped():  # a restart of a run the hacking guard stopped: it stays stopped
+            return self.cleanup("hacking")
         with preemption_signals(config.run.preemption_grace_s) as preempted, bar, logging_redirect_tqdm():
             while progress.iteration < config.run.max_iterations:
-                metrics = self.train_step()
+                metrics, hacking = self.train_step(), False
                 if self.eval_scorer and progress.iteration % config.eval.every == 0:
                     metrics |= self.evaluate()
+                    hacking = self._guard(metrics)
                 self._record(metrics)
                 bar.update()
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", refresh=False)
@@ -281,12 +301,37 @@ class SageGRPORecipe:
                 self.checkpointer.save(
                     progress.iteration,
                     metrics=progress.evaluated_now(),
-                    force=stop or progress.iteration == config.run.max_iterations,
+                    force=stop or hacking or progress.iteration == config.run.max_iterations,
                 )
+                if hacking:
+                    status = "hacking"
+                    break
                 if stop:
                     status = "preempted" if preempted() else "time_budget"
                     break
         return self.cleanup(status)
+
+    def _guard(self, metrics: dict[str, float]) -> bool:
+        """The hacking guard after an evaluation (``eval.guard``): marks ``metrics`` when it fires and acts; True when
+        it stops the run. Every rank decides alike: the metrics and the history are the same on all."""
+        guard = self.config.eval.guard
+        if guard.action == "off" or self.eval_judges is None:
+            return False
+        found = evaluation.hacking_divergence([*self.progress.history, metrics], guard)
+        if found is None:
+            return False
+        metrics[evaluation.GUARD_FIRED] = 1.0
+        if distributed.is_main():
+            what = f"{guard.action} at iteration {self.progress.iteration}: {found.described()}"
+            logger.warning("hacking guard: %s", what)
+            self.tracker.set_tag("hacking_guard", what)
+        if guard.action == "tighten":
+            self.policy.updater.controller.tighten(guard.tighten_factor)
+        return guard.action == "stop"
+
+    def _guard_stopped(self) -> bool:
+        history = self.progress.history
+        return self.config.eval.guard.action == "stop" and bool(history) and evaluation.GUARD_FIRED in history[-1]
 
     def train_step(self) -> dict[str, float]:
         """One iteration: rollout -> score -> advantages -> update; returns its metrics (averaged over ranks)."""
@@ -384,6 +429,7 @@ class SageGRPORecipe:
                 write=distributed.is_main(),
                 embeddings=self.embeddings(self.eval_prompts),
                 prompt_metadata=self.eval_metadata,
+                judges=self.eval_judges,
             )
         artifact_dir = f"eval/iteration-{iteration:05d}"
         for video in result.videos:
@@ -435,6 +481,8 @@ class SageGRPORecipe:
         fingerprint = distributed.weights_fingerprint(self.policy.engine.module)
         self.audit.write({"iteration": self.progress.iteration, "weights_sha256": fingerprint, "status": status})
         export_dir = self.publish() if status == "completed" else None
+        if status == "hacking":
+            export_dir = self.export_best_by_judge()
         if distributed.is_main():
             self.tracker.set_tag("weights_sha256", fingerprint)
             self.tracker.log_artifact(self._plots(), "plots")
@@ -468,6 +516,26 @@ class SageGRPORecipe:
             report.plot_sample_grid(videos, groups, rewards, advantages, plots / "samples.png")
         return plots
 
+    def export_best_by_judge(self) -> Path | None:
+        """After the hacking guard stopped the run: the committed step best by ``checkpoint.best_metric`` (a judge,
+        which the config requires with ``eval.guard.action=stop``) restored and exported to
+        ``exports/best-by-judge-step-N``, and marked with the MLflow tag ``hacking_guard.best_step``."""
+        metric = self.config.checkpoint.best_metric
+        step = distributed.on_main(lambda: evaluation.best_step(self.checkpointer.store, metric))
+        step = distributed.broadcast_from_main(step)
+        if step is None:
+            logger.warning("hacking guard: no committed step records %s; nothing exported", metric)
+            return None
+        # A fresh updater to restore into, as `sagegrpo export` has: the live one's histories are another step's.
+        config, policy = self.config, self.policy
+        policy.updater = Updater(policy.engine, policy.adapter, config.update, config.trust_region, seed=config.seed)
+        Checkpointer(config, policy.engine, {"updater": policy.updater}).load(str(step), same_run=False, require=True)
+        export_dir = self.export(self.config.output_dir / "exports" / f"best-by-judge-step-{step}")
+        if distributed.is_main():
+            self.tracker.set_tag("hacking_guard.best_step", str(step))
+            logger.warning("hacking guard: step %d, the best by %s, exported to %s", step, metric, export_dir)
+        return export_dir
+
     def publish(self) -> Path:
         """Export the policy in the diffusers format (always); with ``registry.model_name``, register the export as
         the ``challenger`` with its eval metrics and, with ``registry.promote``, run the promotion gate. Idempotent:
@@ -487,6 +555,7 @@ class SageGRPORecipe:
         client, run_id = self.tracker.client(), self.progress.mlflow_run_id
         metrics = {k: v for k, v in self.progress.last_eval.items() if k != "iteration"}
         with registry.outage_is_retryable(self.tracker.tracking_uri, f"registering {settings.model_name}"):
+            exam = evaluation.eval_set_digest(self.eval_prompts, self.eval_metadata)
             version = registry.register_export(
                 client,
                 settings.model_name,
@@ -496,9 +565,10 @@ class SageGRPORecipe:
                 registry.export_key(run_id, self.progress.iteration),
                 base_model=settings.base_model or self.config.model.pretrained or self.config.model.name,
                 eval_set=registry.EvalSet(
-                    evaluation.eval_set_digest(self.eval_prompts, self.eval_metadata),
+                    exam,
                     len(self.eval_prompts),
                     self.config.eval.source or f"{self.config.data.source} (held-out split)",
+                    *evaluation.eval_definition(self.config.rewards, self.config.eval, exam),
                 ),
                 step=self.progress.iteration,
             )

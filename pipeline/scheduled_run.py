@@ -17,8 +17,11 @@ prompts listing) use the run's ``s3`` settings, as its checkpoints and ingest do
 schedule with exit 75 (retryable), nothing started.
 
 The registry outlives each run, so the config must name a shared MLflow server (``tracking.tracking_uri`` or
-``MLFLOW_TRACKING_URI``); a run's embedded store would hold one version each day and promote every one of them. This
-is checked, with the rest of the config, before anything starts.
+``MLFLOW_TRACKING_URI``); a run's embedded store would hold one version each day and promote every one of them. The
+gate compares like with like only, so the config must also name a fixed evaluation set (``eval.source``): each day's
+held-out split differs, and every challenger would be "not comparable". Both are checked, with the rest of the config
+and the prompt set itself (read as training will read it), before anything starts: a broken newest prompt set starts
+no run, and a later good one is trained when it arrives.
 
 Decision (``decide``, pure): an unfinished scheduled run is finished first, from its first step without a marker
 (training always passes ``--resume auto``, so a half-trained run continues from its newest committed checkpoint);
@@ -32,7 +35,13 @@ date (``2026-12-03/`` or ``2026-12-03.jsonl``). Names starting with ``.`` or ``_
 ignored.
 
 A step that fails stops the run with that step's exit status, so a training run stopped with 75 (checkpointed,
-restart me) reaches the scheduler as 75 and the next start resumes it.
+restart me) reaches the scheduler as 75 and the next start resumes it. A step that exits 2 (a user error: a bad
+config combination, scores the gate cannot compare), or 3 (the hacking guard stopped the run), would end the same
+way on every start, so it is marked
+``schedule/<step>.failed`` (with its status) and the run counts as finished: the next start does not retry it but
+trains the next prompt set when one arrives. Delete the marker to retry the run after fixing what it said.
+
+Training runs ``--nproc-per-node`` processes, by default one per GPU of this node (torchrun's ``gpu``), 1 without one.
 """
 
 from __future__ import annotations
@@ -56,6 +65,9 @@ from sage_grpo.core.secrets import mask_uri
 from sage_grpo.core.storage import is_outage
 
 STEPS = ("train", "promote")
+# A step's exit statuses that a restart would only repeat: a user error (2), a run the hacking guard stopped (3,
+# stages/evaluate.py HACKING_STOP_EXIT_CODE; importing it would load that stage's dependencies).
+FINAL_STATUSES = (UserError.exit_code, 3)
 RUN_PREFIX = "sage"
 _RUN_NAME = re.compile(rf"^{RUN_PREFIX}-\d{{4}}-\d{{2}}-\d{{2}}$")
 
@@ -69,7 +81,7 @@ class ScheduledRunOptions:
     checkpoint_root: str
     model: str
     work_dir: str = "/cache/runs"
-    nproc_per_node: int = 8
+    nproc_per_node: int | None = None  # None: this node's GPU count, 1 without a GPU
     date: date | None = None
     dry_run: bool = False
     overrides: tuple[str, ...] = ()  # the user's key=value overrides, before the schedule's own
@@ -82,10 +94,11 @@ class RunState:
     name: str
     prompt_set: str | None
     completed: frozenset[str]
+    failed: str | None = None  # "<step> exited <status>" when a step failed with a user error
 
     @property
     def done(self) -> bool:
-        return self.completed >= set(STEPS)
+        return self.completed >= set(STEPS) or self.failed is not None
 
 
 @dataclass(frozen=True)
@@ -122,9 +135,11 @@ def decide(today: date, prompt_sets: list[str], runs: list[RunState]) -> Decisio
     if any(run.name == name for run in scheduled):
         return Decision("skip", name, None, (), f"{name} is already complete")
     prompt_set = newest_prompt_set(prompt_sets)
-    trained = [run.name for run in scheduled if run.prompt_set == prompt_set]
+    trained = [run for run in scheduled if run.prompt_set == prompt_set]
     if trained:
-        return Decision("skip", name, prompt_set, (), f"prompt set {prompt_set} was already trained by {trained[-1]}")
+        last = trained[-1]
+        how = f"tried by {last.name}, whose {last.failed}" if last.failed else f"trained by {last.name}"
+        return Decision("skip", name, prompt_set, (), f"prompt set {prompt_set} was already {how}")
     return Decision("new", name, prompt_set, STEPS, f"new run {name} on prompt set {prompt_set}")
 
 
@@ -200,7 +215,15 @@ def read_runs(root: Store) -> list[RunState]:
         markers = root.children(name, "schedule")
         prompt_set = root.read(name, "schedule", "prompt_set")
         completed = frozenset(step for step in STEPS if f"{step}.done" in markers)
-        runs.append(RunState(name, prompt_set.strip() if prompt_set else None, completed))
+        failed = next(
+            (
+                f"{step} {root.read(name, 'schedule', f'{step}.failed')}".strip()
+                for step in STEPS
+                if f"{step}.failed" in markers
+            ),
+            None,
+        )
+        runs.append(RunState(name, prompt_set.strip() if prompt_set else None, completed, failed))
     return runs
 
 
@@ -228,7 +251,7 @@ def step_command(step: str, decision: Decision, args: ScheduledRunOptions, root:
             "-m",
             "sage_grpo.pipeline.launch",
             "--standalone",
-            f"--nproc-per-node={args.nproc_per_node}",
+            f"--nproc-per-node={training_processes(args)}",
             "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1",
             "--shutdown-timeout=300",
             "--module",  # torchrun starts each worker as `sys.executable -m sage_grpo.pipeline.cli`
@@ -253,16 +276,35 @@ def step_command(step: str, decision: Decision, args: ScheduledRunOptions, root:
     ]
 
 
-def check_config(decision: Decision, args: ScheduledRunOptions, root: Store) -> None:
-    """The run config as training will see it, validated before any step starts (one line if it is wrong)."""
-    from sage_grpo.pipeline.config import load_run_config
+def training_processes(args: ScheduledRunOptions) -> int:
+    """``--nproc-per-node``, else one process per GPU of this node (torchrun's ``gpu``), else 1."""
+    if args.nproc_per_node is not None:
+        return args.nproc_per_node
+    import torch
 
+    return max(torch.cuda.device_count(), 1)
+
+
+def check_config(decision: Decision, args: ScheduledRunOptions, root: Store) -> None:
+    """The run config as training will see it, and the prompt set as training will read it, validated before any
+    step starts (one line if either is wrong)."""
+    from sage_grpo.pipeline.config import load_run_config
+    from sage_grpo.stages.ingest import ingest
+
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise UserError(f"schedule: --nproc-per-node must be >= 1, got {args.nproc_per_node}")
     config = load_run_config(args.config, run_overrides(decision, args, root))
     if not config.tracking.server_uri():
         raise UserError(
             f"{args.config}: the scheduled run needs tracking.tracking_uri (or MLFLOW_TRACKING_URI), a shared MLflow "
             "server: the model registry must outlive each run"
         )
+    if not config.eval.source:
+        raise UserError(
+            f"{args.config}: the scheduled run needs eval.source, a fixed evaluation set: each day's held-out split "
+            "differs, and the promotion gate compares only versions scored on the same set"
+        )
+    ingest(config.data, config.s3)  # a prompt set training would refuse starts no run
 
 
 def stores(args: ScheduledRunOptions) -> tuple[Store, Store]:
@@ -304,6 +346,14 @@ def run_scheduled(args: ScheduledRunOptions) -> int:
         if args.dry_run:
             continue
         status = run_relaying_stop_signals(command)
+        if status in FINAL_STATUSES:  # the same every time: finished, not to be resumed
+            root.write(f"exited {status}", decision.run_name, "schedule", f"{step}.failed")
+            print(
+                f"schedule: {step} exited {status}; {decision.run_name} is marked failed and will not be resumed "
+                f"(delete its schedule/{step}.failed to retry it)",
+                file=sys.stderr,
+            )
+            return status
         if status != 0:
             print(f"schedule: {step} exited {status}; the next start resumes from this step", file=sys.stderr)
             return status

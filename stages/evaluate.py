@@ -21,18 +21,45 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from sage_grpo.core import distributed, plotting
+from sage_grpo.core.hacking_guard import Divergence, divergence
 from sage_grpo.core.lazy import lazy_module
 from sage_grpo.core.rewards.base import VideoBatch
 from sage_grpo.core.rewards.registry import RewardSpec
+from sage_grpo.core.storage import CheckpointError
 from sage_grpo.stages.rollout import SDEConfig, generate
 from sage_grpo.stages.score import Scorer
 
 torch = lazy_module("torch", globals())
+
+
+JUDGE_PREFIX = "judge/"  # a judge's dimensions are logged as eval/judge/<dimension>
+GUARD_FIRED = "guard/fired"  # in an iteration's metrics when the hacking guard fired there
+# The exit status of a run the hacking guard stopped: not 0 (it did not complete and registered nothing), not 75
+# (a restart would not cure it), not 2 (the config is fine).
+HACKING_STOP_EXIT_CODE = 3
+
+
+class HackingGuardConfig(BaseModel):
+    """The ``eval.guard`` section: what to do when the training reward rises on the evaluation prompts while a judge
+    falls (``core.hacking_guard``). Acts only with ``eval.judges``; after acting it waits for ``window`` new
+    evaluations before it can act again."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    # warn: a warning and an MLflow tag; tighten: the KL weight's strength x tighten_factor (see core.grpo);
+    # stop: the run stops (exit 3, nothing registered) and the best checkpoint by checkpoint.best_metric, a judge
+    # metric, is exported to exports/best-by-judge-step-N.
+    action: Literal["off", "warn", "tighten", "stop"] = "warn"
+    window: int = Field(3, ge=2)  # evaluations the trends are read over
+    min_reward_rise: float = Field(0.0, ge=0)  # eval/reward's fitted change over the window must exceed this
+    min_judge_drop: float = Field(0.0, ge=0)  # and a judge's fitted change must be below minus this
+    tighten_factor: float = Field(2.0, gt=1)
 
 
 class EvalConfig(BaseModel):
@@ -49,6 +76,10 @@ class EvalConfig(BaseModel):
     source: str | None = None
     seed: int = Field(1234, ge=0, lt=2**63)
     metrics: list[RewardSpec] = Field(default_factory=list)  # extra metrics (e.g. clipscore) beside the rewards
+    # Rewards scored on the evaluation prompts and never trained on, logged as eval/judge/<dimension>: what the
+    # hacking guard watches, and what the promotion gate can gate on.
+    judges: list[RewardSpec] = Field(default_factory=list)
+    guard: HackingGuardConfig = Field(default_factory=HackingGuardConfig)
     write_videos: int = Field(2, ge=0)
 
 
@@ -74,8 +105,10 @@ def evaluate(
     write: bool,
     embeddings=None,
     prompt_metadata: list[dict] | None = None,
+    judges: Scorer | None = None,
 ) -> Evaluation:
-    """``prompt_metadata``: each prompt's extra columns, passed to the rewards that take them (one video per prompt)."""
+    """``prompt_metadata``: each prompt's extra columns, passed to the rewards that take them (one video per prompt).
+    ``judges``: scored beside ``scorer`` into ``judge/<dimension>``, never into the reward total."""
     deterministic = SDEConfig(variant="ode", steps=sde_config.steps, shift=sde_config.shift)
     positions, rounds = _my_batches(len(prompts), batch_size)
 
@@ -101,10 +134,16 @@ def evaluate(
         if rollout is None:
             return {"positions": []}
         metadata = None if prompt_metadata is None else [prompt_metadata[i] for i in positions]
-        scored = scorer.score(VideoBatch.from_tensor(rollout.videos, adapter.fps), rollout.sample_prompts, metadata)
+        videos = VideoBatch.from_tensor(rollout.videos, adapter.fps)
+        scored = scorer.score(videos, rollout.sample_prompts, metadata)
+        judged = judges.score(videos, rollout.sample_prompts, metadata).dimensions if judges else {}
         return {
             "positions": positions,
-            "scores": {**scored.dimensions, "reward": list(scored.total)},
+            "scores": {
+                **scored.dimensions,
+                **{JUDGE_PREFIX + name: values for name, values in judged.items()},
+                "reward": list(scored.total),
+            },
             "frames": key_frames(rollout.videos),
             "videos": {i: rollout.videos[k] for k, i in enumerate(positions) if i < write_videos},
         }
@@ -143,6 +182,36 @@ def _assembled(shards: list[dict], prompts: list[str], fps: int, out_dir: Path) 
     )
 
 
+def hacking_divergence(history: list[dict[str, float]], guard: HackingGuardConfig) -> Divergence | None:
+    """The guard's signal on a run's metric history: eval/reward and every eval/judge/* over the evaluations since
+    the guard last fired (so one episode acts once)."""
+    since = max((i for i, metrics in enumerate(history) if GUARD_FIRED in metrics), default=-1) + 1
+    evaluations = [metrics for metrics in history[since:] if "eval/reward" in metrics]
+    judges = sorted({key for metrics in evaluations for key in metrics if key.startswith("eval/" + JUDGE_PREFIX)})
+    return divergence(
+        [metrics["eval/reward"] for metrics in evaluations],
+        {name: [metrics.get(name, math.nan) for metrics in evaluations] for name in judges},
+        window=guard.window,
+        min_reward_rise=guard.min_reward_rise,
+        min_judge_drop=guard.min_judge_drop,
+    )
+
+
+def best_step(store, metric: str) -> int | None:
+    """The committed step of ``store`` (a ``core.storage`` checkpoint store) whose manifest records the highest
+    finite ``metric``, the newer on a tie; None when none records it. A step with an unreadable manifest is passed
+    over (restoring a step verifies it anyway)."""
+    scored = {}
+    for step in store.list_steps():
+        try:
+            value = store.read_manifest(step).extra.get(metric)
+        except CheckpointError:
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            scored[step] = value
+    return max(scored, key=lambda step: (scored[step], step), default=None)
+
+
 def eval_set_digest(prompts: list[str], metadata: list[dict]) -> str:
     """Identifies an evaluation set: its prompts with their metadata, in order (each prompt's seed follows from
     its position). 32 hex digits, what MLflow stores as a metric's dataset digest."""
@@ -150,6 +219,33 @@ def eval_set_digest(prompts: list[str], metadata: list[dict]) -> str:
         json.dumps([text, meta], sort_keys=True, ensure_ascii=False) + "\n" for text, meta in zip(prompts, metadata)
     )
     return hashlib.sha256(rows.encode()).hexdigest()[:32]
+
+
+def eval_definition(rewards: list[RewardSpec], config: EvalConfig, set_digest: str) -> tuple[str, str]:
+    """What an evaluation's scores mean: the digest (32 hex digits) of the rewards with their weights (a preset
+    expanded) and kwargs, the extra metrics, the judges, the evaluation set's digest and the seed; and a short account
+    for people (names and weights only: kwargs may hold what a log must not). Two versions with one digest were scored
+    the same way on the same exam. ``batch_size`` is left out: it changes how rewards are called, not what they say."""
+
+    def described(spec: RewardSpec) -> dict:
+        return {"name": spec.name, "kwargs": spec.kwargs, "weights": spec.explicit_weights()}
+
+    definition = {
+        "rewards": [described(spec) for spec in rewards],
+        "metrics": [described(spec) for spec in config.metrics],
+        "judges": [described(spec) for spec in config.judges],
+        "prompt_set": set_digest,
+        "seed": config.seed,
+    }
+    digest = hashlib.sha256(json.dumps(definition, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+    def names(specs: list[RewardSpec]) -> str:
+        return ", ".join(spec.name + ("" if spec.weights is None else f" {spec.explicit_weights()}") for spec in specs)
+
+    summary = f"rewards {names(rewards)}"
+    summary += f"; metrics {names(config.metrics)}" if config.metrics else ""
+    summary += f"; judges {', '.join(spec.name for spec in config.judges)}" if config.judges else ""
+    return digest, f"{summary}; seed {config.seed}"
 
 
 def key_frames(videos: torch.Tensor) -> np.ndarray:

@@ -45,7 +45,9 @@ pytestmark = pytest.mark.integration
 S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 PROMPT = "a red fox runs through snow"
 GENERATION = {"num_inference_steps": 2, "seed": 0}
-EXAM = EvalSet("6f1d0c3a9b8e7d6c5b4a39281706f5e4", 16, "s3://evals/t2v/v1.jsonl")
+EXAM = EvalSet(
+    "6f1d0c3a9b8e7d6c5b4a39281706f5e4", 16, "s3://evals/t2v/v1.jsonl", "d1" * 16, "rewards brightness; seed 1234"
+)
 
 
 def s3_artifacts_mlflow_server(workdir: Path, endpoint_url: str, bucket: str) -> MlflowServer:

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "infra" / "k8s"
+PROMPTS = ROOT / "configs" / "demo_prompts.txt"
 SECRET_NAME = re.compile(r"KEY|SECRET|PASSWORD|TOKEN", re.IGNORECASE)
 
 
@@ -83,9 +84,10 @@ def test_unscheduled_runs_are_ignored_and_missing_prompts_are_a_user_error():
 
 
 def _config(tmp_path: Path, tracking_uri: str | None = "http://mlflow.example:5000") -> Path:
-    """The demo config on a shared tracking server, as the scheduled run needs."""
+    """The demo config on a shared tracking server with a fixed evaluation set, as the scheduled run needs."""
     config = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     config["tracking"] = {"tracking_uri": tracking_uri}
+    config["eval"]["source"] = str(PROMPTS)
     path = tmp_path / "scheduled.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -95,8 +97,9 @@ def _args(
     tmp_path: Path, day: str = "2026-12-03", dry_run: bool = False, config: Path | None = None
 ) -> scheduled_run.ScheduledRunOptions:
     prompts = tmp_path / "prompts"
-    for name in ("2026-12-01", "2026-12-02"):
-        (prompts / name).mkdir(parents=True, exist_ok=True)
+    prompts.mkdir(exist_ok=True)
+    for name in ("2026-12-01.txt", "2026-12-02.txt"):
+        (prompts / name).write_text(PROMPTS.read_text())
     return scheduled_run.ScheduledRunOptions(
         str(config or _config(tmp_path)),
         str(prompts),
@@ -123,8 +126,8 @@ def steps(monkeypatch):
 def test_starting_twice_the_same_day_does_not_train_twice(tmp_path, steps):
     ran, _ = steps
     assert scheduled_run.run_scheduled(_args(tmp_path)) == 0
-    assert ran == [(step, "sage-2026-12-03", "2026-12-02") for step in scheduled_run.STEPS]
-    assert (tmp_path / "ckpt" / "sage-2026-12-03" / "schedule" / "prompt_set").read_text().strip() == "2026-12-02"
+    assert ran == [(step, "sage-2026-12-03", "2026-12-02.txt") for step in scheduled_run.STEPS]
+    assert (tmp_path / "ckpt" / "sage-2026-12-03" / "schedule" / "prompt_set").read_text().strip() == "2026-12-02.txt"
     assert scheduled_run.run_scheduled(_args(tmp_path)) == 0
     assert len(ran) == len(scheduled_run.STEPS)  # the second start ran nothing
 
@@ -135,12 +138,12 @@ def test_a_checkpointed_stop_is_passed_on_and_resumed_at_the_next_start(tmp_path
     assert scheduled_run.run_scheduled(_args(tmp_path)) == RETRYABLE_EXIT_CODE
     assert not (tmp_path / "ckpt" / "sage-2026-12-03" / "schedule" / "train.done").exists()
     statuses["train"] = 0
-    (tmp_path / "prompts" / "2026-12-04").mkdir()  # new data for the second day
+    (tmp_path / "prompts" / "2026-12-04.txt").write_text(PROMPTS.read_text())  # new data for the second day
     # The next day's start finishes yesterday's run before starting a new one.
     assert scheduled_run.run_scheduled(_args(tmp_path, day="2026-12-04")) == 0
-    assert ran[1:] == [(step, "sage-2026-12-03", "2026-12-02") for step in scheduled_run.STEPS]  # its own prompts
+    assert ran[1:] == [(step, "sage-2026-12-03", "2026-12-02.txt") for step in scheduled_run.STEPS]  # its own prompts
     assert scheduled_run.run_scheduled(_args(tmp_path, day="2026-12-04")) == 0
-    assert ran[-1] == ("promote", "sage-2026-12-04", "2026-12-04")
+    assert ran[-1] == ("promote", "sage-2026-12-04", "2026-12-04.txt")
 
 
 def test_dry_run_writes_nothing(tmp_path, steps, capsys):
