@@ -50,6 +50,8 @@ UNIVERSAL_TAG = "universal"  # the engine tag converted for another world size, 
 # Under the output folder: one folder per restoring job and host (a run, an export, an eval), removed once loaded.
 RESTORE_DIR = "checkpoint-restore"
 _RANK_FILE = re.compile(r"pipeline_state_rank(0|[1-9][0-9]*)\.pt")
+# DeepSpeed's name for a ZeRO rank's optimizer-state shard (bf16_ with ZeRO-1/2's bf16 optimizer).
+_OPTIMIZER_SHARD = re.compile(rf"{ENGINE_TAG}/(?:bf16_)?zero_pp_rank_(0|[1-9][0-9]*)_mp_rank_[0-9]+_optim_states\.pt")
 _PLAIN = (str, int, float, bool, type(None))
 
 
@@ -265,9 +267,12 @@ class Checkpointer:
             convert_to_universal(local / ENGINE_TAG, local / UNIVERSAL_TAG)
 
     def _checked_manifest(self, step: int) -> Manifest:
-        """The step's manifest, if it lists a pipeline state for exactly each of its ranks and an engine state."""
+        """The step's manifest, if it lists a pipeline state for exactly each of its ranks and an engine state (with
+        each rank's optimizer-state shard, for a ZeRO engine)."""
         manifest = self.store.read_manifest(step)
         paths = {entry.path for entry in manifest.files}
+        if manifest.world_size > len(paths):  # each rank has a file of its own: bounds the ranks counted below
+            raise CheckpointError(f"its manifest says {manifest.world_size} rank(s) but lists {len(paths)} file(s)")
         expected = {self._rank_file(Path(), rank).name for rank in range(manifest.world_size)}
         listed = {path for path in paths if _RANK_FILE.fullmatch(path)}
         if listed != expected:
@@ -277,6 +282,12 @@ class Checkpointer:
             )
         if not any(path.startswith(f"{ENGINE_TAG}/") for path in paths):
             raise CheckpointError(f"its manifest lists no {ENGINE_TAG}/ files")
+        if getattr(self.engine, "zero_optimization", lambda: False)():
+            # DeepSpeed would load each rank's shard and stop with a traceback on the first one not downloaded.
+            sharded = {int(match[1]) for path in paths if (match := _OPTIMIZER_SHARD.fullmatch(path))}
+            missing = [rank for rank in range(manifest.world_size) if rank not in sharded]
+            if missing:
+                raise CheckpointError(f"its manifest lists no optimizer states for rank(s) {missing[:3]}")
         return manifest
 
     def _checked_states(
