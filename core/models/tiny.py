@@ -63,6 +63,12 @@ TINY_WAN_TRANSFORMER = {
 # Latent frames and pixels per latent of the tiny VAEs: (spatial, temporal) compression.
 TINY_HUNYUAN15_VAE = {"spatial_compression_ratio": 4, "temporal_compression_ratio": 2}
 TINY_WAN_VAE = {"scale_factor_spatial": 8, "scale_factor_temporal": 4}
+# The tiny Wan 2.1 VAE squeezes 16 latent channels through 3, and its videos' mean brightness varies by 1e-4 across
+# samples: nothing a reward on brightness can move. The two-expert model's VAE is wider and its output layer's
+# random weights 10x larger, so brightness varies by 3e-3 across samples (as the tiny HunyuanVideo 1.5's, 2e-3) and
+# the demo's reward can rise (measured with /tmp probes on 8 samples, 2026-12-06).
+TINY_WAN22_VAE_DIM = 8
+TINY_WAN22_VAE_GAIN = 10.0
 
 
 def tiny_qwen2_tokenizer() -> Qwen2Tokenizer:
@@ -189,8 +195,15 @@ def tiny_wan_pipeline(seed: int = 0, *, boundary_ratio: float | None = None) -> 
     torch.manual_seed(seed)
     transformer = WanTransformer3DModel(**TINY_WAN_TRANSFORMER)
     vae = AutoencoderKLWan(
-        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+        base_dim=3 if boundary_ratio is None else TINY_WAN22_VAE_DIM,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
     )
+    if boundary_ratio is not None:
+        with torch.no_grad():
+            vae.decoder.conv_out.weight.mul_(TINY_WAN22_VAE_GAIN)
     umt5 = UMT5EncoderModel(
         UMT5Config(
             vocab_size=_BYT5_VOCAB, d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=2, is_encoder_decoder=False
