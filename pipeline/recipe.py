@@ -315,7 +315,7 @@ class SageGRPORecipe:
         """The hacking guard after an evaluation (``eval.guard``): marks ``metrics`` when it fires and acts; True when
         it stops the run. Every rank decides alike: the metrics and the history are the same on all."""
         guard = self.config.eval.guard
-        if guard.action == "off" or self.eval_judges is None:
+        if guard.action == "disabled" or self.eval_judges is None:
             return False
         found = evaluation.hacking_divergence([*self.progress.history, metrics], guard)
         if found is None:

@@ -55,7 +55,7 @@ class HackingGuardConfig(BaseModel):
     # warn: a warning and an MLflow tag; tighten: the KL weight's strength x tighten_factor (see core.grpo);
     # stop: the run stops (exit 3, nothing registered) and the best checkpoint by checkpoint.best_metric, a judge
     # metric, is exported to exports/best-by-judge-step-N.
-    action: Literal["off", "warn", "tighten", "stop"] = "warn"
+    action: Literal["disabled", "warn", "tighten", "stop"] = "warn"  # not "off": YAML reads that as false
     window: int = Field(3, ge=2)  # evaluations the trends are read over
     min_reward_rise: float = Field(0.0, ge=0)  # eval/reward's fitted change over the window must exceed this
     min_judge_drop: float = Field(0.0, ge=0)  # and a judge's fitted change must be below minus this
