@@ -319,7 +319,15 @@ def _iteration(adapter, updater: Updater, config: Config, seed: int, iteration: 
         "kl": metrics["kl"],
         "lambda_kl": metrics["lambda_kl"],
         # The update-level ratios (None on an update whose KL reference was just refreshed: not measured).
-        **{key: metrics.get(key) for key in ("kl_grad_ratio", "kl_grad_ratio/position", "kl_grad_ratio/velocity")},
+        **{
+            key: metrics.get(key)
+            for key in (
+                "kl_grad_ratio",
+                "kl_grad_ratio/position",
+                "kl_grad_ratio/velocity",
+                "kl_grad_ratio/weight_space",
+            )
+        },
         "grad_norm": metrics["grad_norm"],
         "equalizer_max": metrics["equalizer_max"],
         "skipped": metrics["skipped"],

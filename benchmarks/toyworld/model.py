@@ -101,6 +101,10 @@ class ToyWorldAdapter(VideoModelAdapter):
     def fps(self) -> int:
         return 8
 
+    def trainable_modules(self) -> list[torch.nn.Module]:
+        """What ``train_used_weights`` trains, for a recipe run: every part but the unused branches."""
+        return [module for name, module in self.transformer.named_children() if name not in UNUSED_BRANCHES]
+
     def latent_shape(self) -> tuple[int, ...]:
         return world.LATENT_SHAPE
 
@@ -160,3 +164,33 @@ def weights_key(pretrain_settings: dict) -> str:
         "pretrain": pretrain_settings,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def toyworld_adapter(
+    guidance_scale: float = 1.0, dtype: str | torch.dtype = "float32", *, sha256: str | None = None
+) -> ToyWorldAdapter:
+    """``model.name: benchmarks.toyworld.model:toyworld_adapter``: the pretrained ToyWorld model for a recipe run
+    (``sagegrpo run``), its used weights trainable. It loads the weights ``python -m benchmarks.toyworld.pretrain``
+    cached and never fits them here; ``sha256`` (the weights file's, which ``pretrain`` prints) makes a run on other
+    weights (pretraining elsewhere gives other weights) refuse to start. The ToyWorld has no CFG and runs in float32."""
+    from safetensors.torch import load_file
+
+    from sage_grpo.core.errors import UserError
+
+    from .pretrain import PretrainConfig, cache_path
+
+    if guidance_scale != 1.0 or dtype not in ("float32", torch.float32):
+        raise UserError("the ToyWorld model has no CFG and runs in float32: model.guidance_scale 1, dtype float32")
+    path = cache_path(PretrainConfig())
+    if not path.exists():
+        raise UserError(f"no pretrained ToyWorld weights at {path}: run python -m benchmarks.toyworld.pretrain first")
+    found = weights_sha256(path)
+    if sha256 is not None and found != sha256:
+        raise UserError(f"the ToyWorld weights at {path} have sha256 {found}, not model.kwargs.sha256 {sha256}")
+    transformer = build_transformer(PretrainConfig().seed)
+    transformer.load_state_dict(load_file(str(path)), strict=True)
+    return ToyWorldAdapter(train_used_weights(transformer.eval()))
+
+
+def weights_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
