@@ -76,6 +76,7 @@ import sage_grpo
 from sage_grpo.core.errors import RetryableStop, UserError, first_line
 from sage_grpo.core.export import LORA_WEIGHT_NAME, read_export_manifest
 from sage_grpo.core.files import file_sha256
+from sage_grpo.core.progress import quiet_library_bars
 from sage_grpo.core.registry_config import DEFAULT_MARGIN, DEFAULT_MIN_EVAL_PROMPTS, DEFAULT_PRIMARY_METRIC
 from sage_grpo.core.secrets import MASK, mask_uri
 from sage_grpo.core.storage import load_tensors
@@ -447,6 +448,7 @@ def _apply_export(transformer, export_dir: Path, kind: str) -> None:
 def load_registered_policy(model_uri: str, *, tracking_uri: str | None = None):
     """Download ``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``, verify every file against the sha256 list the
     version's tag vouches for, and load it as a pyfunc. :class:`TamperedArtifactError` if anything differs."""
+    quiet_library_bars()  # MLflow's download bar
     client = MlflowClient(tracking_uri=tracking_uri)
     version = _version_from_uri(client, model_uri)
     download_uri = client.get_model_version_download_uri(version.name, version.version)

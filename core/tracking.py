@@ -47,6 +47,7 @@ from pydantic import BaseModel
 from sage_grpo.core import distributed
 from sage_grpo.core.errors import first_line, is_outage
 from sage_grpo.core.files import atomic_write_text
+from sage_grpo.core.progress import quiet_library_bars
 from sage_grpo.core.secrets import mask_uri, mask_value
 from sage_grpo.core.tracking_config import TrackingConfig, check_mlflow_environment
 
@@ -172,6 +173,7 @@ class Tracker:
         self.config = config
         self.run_dir = Path(run_dir)
         self.enabled = config.enabled and distributed.is_main()
+        quiet_library_bars()  # MLflow's artifact upload and download bars
         self.run_id: str | None = None
         self._resume_id: str | None = None
         self._params: dict[str, str] = {}

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..components import check_arguments, check_resolvable, check_signature_names, resolve
+from ..progress import quiet_library_bars
 from .base import PromptEmbeddings, VideoModelAdapter
 
 # name -> "module:factory".
@@ -147,7 +148,9 @@ def build_adapter(name: str, **kwargs) -> VideoModelAdapter:
     then dtype, device, guidance_scale and the adapter's own options.
     """
     factory = resolve(name, _REGISTRY, "model")
+    quiet_library_bars()  # before the factory loads weights: diffusers' and transformers' loading bars
     adapter = factory(**kwargs)
+    quiet_library_bars(getattr(adapter, "pipeline", None))
     if not isinstance(adapter, VideoModelAdapter):
         raise TypeError(f"{name!r} built a {type(adapter).__name__}, not a VideoModelAdapter")
     return adapter
