@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sage_grpo.core.errors import UserError
+from sage_grpo.stages import engine
 
 GIB = 2**30
 BF16_BYTES = 2
@@ -169,7 +170,7 @@ def model_states(
         raise UserError("offload_param without offload_optimizer is not a setting DeepSpeed's estimator models")
     gpus = gpus_per_node * nodes
     frozen = param_count - trainable_count
-    if zero_stage == 3:
+    if engine.partitions_parameters(zero_stage):
         cpu, gpu, gathered = estimate_zero3_model_states_mem_needs(
             trainable_count,
             largest_layer_params,
@@ -209,17 +210,15 @@ def anchor_bytes(trainable_count: int, zero_stage: int, offload_param: bool, anc
     (stages/anchor.py). Full fine-tuning: all weights; LoRA: the adapter only. ZeRO-3 shards it like the parameters
     (in host memory under offload_param), ZeRO-2 replicates it; ``anchor_offload`` keeps it in host memory.
     """
-    if anchor_offload or (zero_stage == 3 and offload_param):
+    if anchor_offload or (engine.partitions_parameters(zero_stage) and offload_param):
         return 0
-    return BF16_BYTES * trainable_count // (gpus if zero_stage == 3 else 1)
+    return BF16_BYTES * trainable_count // (gpus if engine.partitions_parameters(zero_stage) else 1)
 
 
 def largest_gathered(model, zero3_leaf_modules: str | list[str]) -> int:
     """The most parameters ZeRO-3 holds gathered at once: a leaf block's (all of its parameters) or, outside the
     leaves, one module's own."""
-    from sage_grpo.stages.engine import zero3_leaves
-
-    leaves = zero3_leaves(model, zero3_leaf_modules)
+    leaves = engine.zero3_leaves(model, zero3_leaf_modules)
     inside = {id(module) for leaf in leaves for module in leaf.modules()}
     blocks = [sum(p.numel() for p in leaf.parameters()) for leaf in leaves]
     others = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules() if id(m) not in inside]
@@ -524,17 +523,14 @@ def _suggestion(asked: Layout, found: MemoryPlan, why: str) -> Suggestion:
 
 
 def _zero_settings(name_or_path: str) -> tuple[int, bool, bool]:
-    """(stage, offload_optimizer, offload_param) of a DeepSpeed config, found the way stages/engine.py finds it."""
-    from sage_grpo.stages.engine import DEEPSPEED_CONFIGS
-
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = DEEPSPEED_CONFIGS / f"{name_or_path}.json"
-    if not path.is_file():
-        raise UserError(f"deepspeed.config {name_or_path}: {path} does not exist")
-    zero = json.loads(path.read_text()).get("zero_optimization", {})
-    offloaded = lambda key: (zero.get(key) or {}).get("device", "none") != "none"
-    return int(zero.get("stage", 0)), offloaded("offload_optimizer"), offloaded("offload_param")
+    """(stage, offload_optimizer, offload_param) of a DeepSpeed config, loaded and checked as a run loads it."""
+    try:
+        ds_config = engine.load_deepspeed_json(name_or_path)
+    except ValueError as error:
+        raise UserError(f"deepspeed.config {name_or_path}: {error}") from None
+    zero = ds_config.get("zero_optimization", {})
+    offloaded = lambda key: zero.get(key, {}).get("device", "none") != "none"
+    return engine.zero_stage(ds_config), offloaded("offload_optimizer"), offloaded("offload_param")
 
 
 def _transformer_config(pretrained: str | None) -> dict | None:
@@ -579,7 +575,7 @@ def plan_for(
     samples = config.rollout.samples_per_rank
     latent_elements = shape.latent_channels * video_tokens(frames, height, width)
     trained = config.sde.trained_step_count * samples // update.updates_per_rollout
-    region = config.trust_region.region()
+    region = config.trust_region
     lagged = region.uses_stepwise_kl and config.trust_region.velocity_estimator == "lagged"
     workload = Workload(
         shape=shape,

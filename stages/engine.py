@@ -47,6 +47,17 @@ class DeepSpeedConfig(BaseModel):
         return torch.cuda.is_available() if self.precision == "auto" else self.precision == "bf16"
 
 
+def zero_stage(ds_config: dict) -> int:
+    """The ZeRO stage a loaded DeepSpeed JSON runs (``load_deepspeed_json`` checked it): 0 when it names none."""
+    return ds_config.get("zero_optimization", {}).get("stage", 0)
+
+
+def partitions_parameters(stage: int) -> bool:
+    """Whether ZeRO ``stage`` partitions the parameters themselves (ZeRO-3: each rank holds 1/world of every weight
+    and gathers a layer for its forward), not only the optimizer state and gradients (stages 1 and 2)."""
+    return stage == 3
+
+
 def load_deepspeed_json(name_or_path: str) -> dict:
     """A shipped config by name (zero2, zero3, zero3_offload) or a user's JSON, checked for what this pipeline
     cannot run: problems are ValueErrors with one line (the config key is added by pydantic)."""
@@ -99,7 +110,7 @@ def load_deepspeed_json(name_or_path: str) -> dict:
             )
         if device == "nvme" and not zero[offload].get("nvme_path"):
             raise ValueError(f"{path}: zero_optimization.{offload} offloads to nvme but names no nvme_path")
-        if device == "nvme" and stage != 3:
+        if device == "nvme" and not partitions_parameters(stage):
             raise ValueError(f"{path}: zero_optimization.{offload} to nvme needs ZeRO stage 3")
     return config
 
@@ -151,7 +162,7 @@ def _fill(section: dict, key: str, value, source: str, key_path: str | None = No
 
 def check_optimizer_fits(optimizer: str, ds_config: dict) -> None:
     """Muon needs whole matrices, which only ZeRO-3's gathered parameters give DeepSpeed's implementation here."""
-    if optimizer == "muon" and ds_config.get("zero_optimization", {}).get("stage") != 3:
+    if optimizer == "muon" and not partitions_parameters(zero_stage(ds_config)):
         raise ValueError("update.optimizer=muon is wired for ZeRO-3 configs only (zero3, zero3_offload)")
 
 
@@ -201,7 +212,7 @@ def build_engine(
     offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") in ("cpu", "nvme")
     if config.gradient_checkpointing and hasattr(module, "enable_gradient_checkpointing"):
         module.enable_gradient_checkpointing()
-    if ds_config.get("zero_optimization", {}).get("stage") == 3:
+    if partitions_parameters(zero_stage(ds_config)):
         for leaf in zero3_leaves(module, zero3_leaf_modules):
             set_z3_leaf_module(leaf, True)
             if any(p.requires_grad for p in leaf.parameters()):  # a frozen leaf has no gradients to wait for
