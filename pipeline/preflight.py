@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from sage_grpo.core import distributed
+from sage_grpo.core.errors import first_line
 from sage_grpo.core.grpo import KLFeedback
 from sage_grpo.pipeline.config import RunConfig, load_run_config
 
@@ -82,7 +83,7 @@ def noise_schedule_check(config: RunConfig) -> Check:
     try:
         stds = config.sde.noise_stds().tolist()
     except ValueError as error:
-        return Check("noise schedule", False, str(error).splitlines()[0])
+        return Check("noise schedule", False, first_line(error))
     bad = [t for t, value in enumerate(stds) if not (math.isfinite(value) and value >= 0)]
     if bad:
         return Check("noise schedule", False, f"std not finite or negative at steps {bad[:5]} of {len(stds)}")
@@ -103,7 +104,7 @@ def _trial_checks(trial: RunConfig, planned: RunConfig) -> list[Check]:
     except Exception as error:  # noqa: BLE001 - whatever stops the first iterations is the finding
         return [
             device_check(recipe),
-            Check("first iterations", False, f"{type(error).__name__}: {str(error).splitlines()[0]}"),
+            Check("first iterations", False, first_line(error, with_type=True)),
         ]
     first, last = steps[0], steps[-1]
     return [

@@ -33,7 +33,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from sage_grpo.core import distributed
-from sage_grpo.core.errors import UserError
+from sage_grpo.core.errors import UserError, first_line
 from sage_grpo.core.lazy import lazy_module
 from sage_grpo.core.rewards import RewardSpec, RewardUnavailable, Scores, VideoBatch, build_reward, check_scores
 from sage_grpo.core.rewards.base import (
@@ -231,7 +231,7 @@ class Scorer:
                 raise
             except RewardUnavailable as error:  # it already retried on its own: do not multiply the retries
                 logger.warning("reward %r unavailable, scoring %d samples None: %s", name, len(videos), error)
-                return _Attempt(None, _describe(error))
+                return _Attempt(None, first_line(error, with_type=True))
             except Exception as error:
                 attempt += 1
                 if attempt > self.config.retries:
@@ -240,15 +240,15 @@ class Scorer:
                         name,
                         attempt,
                         len(videos),
-                        _describe(error),
+                        first_line(error, with_type=True),
                     )
-                    return _Attempt(None, _describe(error))
+                    return _Attempt(None, first_line(error, with_type=True))
                 logger.warning(
                     "reward %r failed (attempt %d of %d), retrying: %s",
                     name,
                     attempt,
                     self.config.retries + 1,
-                    _describe(error),
+                    first_line(error, with_type=True),
                 )
                 time.sleep(self.config.retry_delay_s)
             except KeyboardInterrupt:
@@ -257,10 +257,10 @@ class Scorer:
                 logger.warning(
                     "reward %r raised %s, scoring %d samples None (a reward must not exit the run)",
                     name,
-                    _describe(error),
+                    first_line(error, with_type=True),
                     len(videos),
                 )
-                return _Attempt(None, _describe(error))
+                return _Attempt(None, first_line(error, with_type=True))
 
     def _call_bounded(self, name: str, reward, videos: VideoBatch, prompts: list[str], columns: Columns):
         """The reward's output, from a daemon worker thread waited on for at most ``timeout_s``.
@@ -358,11 +358,6 @@ def in_this_threads_state(function):
             return function(*args, **kwargs)
 
     return call
-
-
-def _describe(error: BaseException) -> str:
-    text = str(error).splitlines()[0] if str(error) else ""
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def reward_metrics(scored: ScoredBatch) -> dict[str, float]:

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from ..components import check_arguments, check_resolvable, resolve
-from ..errors import UserError
+from ..errors import UserError, first_line
 
 # The paper's two weightings of VideoAlign's dimensions (spec section 3). Setting B, alignment-focused, is the
 # paper's preferred one; "Overall" (VQ + MQ + TA) is reported but never weighted, which would count it twice.
@@ -106,9 +106,7 @@ def build_reward(spec: RewardSpec) -> Callable:
     try:
         reward = resolve_factory(spec.name)(**spec.kwargs)
     except ValueError as error:
-        raise UserError(
-            f"reward {spec.name!r}: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
-        ) from None
+        raise UserError(f"reward {spec.name!r}: {first_line(error)}") from None
     if not callable(reward):
         raise UserError(f"reward {spec.name!r} built a {type(reward).__name__}, which is not callable")
     return reward

@@ -266,22 +266,27 @@ def test_logs_warnings_and_tracebacks_are_masked_once_the_process_masks_its_outp
 
 
 @pytest.mark.parametrize(
-    ("overrides", "secret"),
+    ("overrides", "secret", "code", "start"),
     [
         # Path() collapses the source's "//": the error quotes http:/user:...@host
-        (["data.source=http://user:Src@Secret9@host/prompts.txt"], "Src@Secret9"),
-        # botocore's message quotes the endpoint URL with its user-info
-        (["data.source=s3://b/k.txt", "s3.endpoint_url=http://AK:End@Secret9@127.0.0.1:{port}/"], "End@Secret9"),
+        (["data.source=http://user:Src@Secret9@host/prompts.txt"], "Src@Secret9", 2, "sagegrpo: error:"),
+        # botocore's message quotes the endpoint URL with its user-info; an unreachable store is an outage (75)
+        (
+            ["data.source=s3://b/k.txt", "s3.endpoint_url=http://AK:End@Secret9@127.0.0.1:{port}/"],
+            "End@Secret9",
+            75,
+            "sagegrpo: data.source s3://b/k.txt unavailable:",
+        ),
     ],
     ids=["collapsed-source", "s3-endpoint"],
 )
-def test_a_run_that_fails_reading_its_data_says_so_in_one_masked_line(tmp_path, overrides, secret):
+def test_a_run_that_fails_reading_its_data_says_so_in_one_masked_line(tmp_path, overrides, secret, code, start):
     port = free_port()
     overrides = [override.format(port=port) for override in overrides]
     fake_keys = {"AWS_ACCESS_KEY_ID": "AKIAPROBE", "AWS_SECRET_ACCESS_KEY": "probe-secret-key"}
     result = sagegrpo("run", DEMO, f"run.output_dir={tmp_path / 'run'}", *overrides, **fake_keys)
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.strip().splitlines()[-1].startswith("sagegrpo: error:"), result.stderr[-3000:]
+    assert result.returncode == code, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(start), result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     _assert_hidden(secret, stdout=result.stdout, stderr=result.stderr)
 
