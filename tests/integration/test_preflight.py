@@ -64,4 +64,4 @@ def test_the_demo_with_an_lr_warm_up_passes_the_trust_region_check(tmp_path):
     result = _preflight(tmp_path / "run", "update.lr_warmup_steps=10")
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert _rows(result.stdout)["trust region acts"] == "pass"
-    assert "geometric mean over updates 3-5" in result.stdout
+    assert "geometric mean over updates" in result.stdout
