@@ -79,7 +79,13 @@ class ModelConfig(BaseModel):
         does not run)."""
         if self.expert_arguments():
             factory = resolve(self.name, _REGISTRY, "model")
-            check_arguments(factory, {}, f"model {self.name!r} (two-expert keys)", supplied=self.expert_arguments())
+            try:
+                inspect.signature(factory).bind_partial(**self.expert_arguments())
+            except TypeError:
+                key = next(iter(self.expert_arguments()))
+                raise ValueError(
+                    f"model.{key} applies to two-expert Wan 2.2 (wan, tiny-wan22); model {self.name!r} does not take it"
+                ) from None
         return self
 
     def expert_arguments(self) -> dict[str, Any]:

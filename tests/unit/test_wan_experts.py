@@ -163,3 +163,18 @@ def test_expert_keys_are_refused_for_single_expert_models():
         ModelConfig(name="tiny-hunyuan15", train_experts=["low"])
     config = ModelConfig(name="tiny-wan22", guidance_scale=4.0, guidance_scale_2=3.0, train_experts=["high"])
     assert config.expert_arguments() == {"guidance_scale_2": 3.0, "train_experts": ["high"]}
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_shipped_a14b_configs_hold_wan22s_own_sampling_settings(kind):
+    from pathlib import Path
+
+    from sage_grpo.pipeline.config import load_run_config
+
+    config = load_run_config(Path(__file__).parents[2] / "configs" / f"wan22_a14b_sage_{kind}.yaml")
+    model = config.model
+    assert (model.name, model.guidance_scale, model.guidance_scale_2, model.train_experts) == (
+        "wan", 4.0, 3.0, ["high", "low"]
+    )  # fmt: skip
+    assert (model.kwargs["height"], model.kwargs["width"], model.kwargs["num_frames"]) == (480, 832, 81)
+    assert (config.sde.steps, config.sde.shift) == (20, 12.0) and config.lora.enabled == (kind == "lora")
