@@ -72,7 +72,6 @@ class ModelConfig(BaseModel):
         check_arguments(factory, kwargs, f"model {name!r}", supplied=supplied)
         return kwargs
 
-
     @model_validator(mode="after")
     def _experts_accepted(self) -> ModelConfig:
         """The two-expert keys need a factory that takes them, also when no kwargs are given (``_bindable`` then
