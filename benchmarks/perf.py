@@ -43,7 +43,7 @@ from sage_grpo.core.rewards.base import VideoBatch, weighted_total
 from sage_grpo.core.rewards.simple import Brightness, TemporalSmoothness
 from sage_grpo.core.trust_region import TrustRegionConfig
 from sage_grpo.stages.engine import build_engine
-from sage_grpo.stages.rollout import SDEConfig, generate
+from sage_grpo.stages.rollout import SDEConfig, generate, in_groups
 from sage_grpo.stages.score import Scorer
 from sage_grpo.stages.update import UpdateConfig, Updater
 
@@ -286,7 +286,7 @@ def overlap_ratio(repeats: int, samples: int = 8) -> dict[str, float]:
     scoring, which nothing can hide."""
     adapter = tiny_hunyuan15(seed=0)
     prompts = [f"a short video, number {i}" for i in range(samples // GROUP)]
-    sample_prompts = [p for p in prompts for _ in range(GROUP)]
+    sample_prompts = in_groups(prompts, GROUP)
     config = TINY.sde
 
     def rollout(on_batch=None):

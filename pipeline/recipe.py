@@ -40,7 +40,13 @@ from sage_grpo.pipeline.signals import preemption_signals
 from sage_grpo.stages import evaluate as evaluation
 from sage_grpo.stages.engine import build_engine
 from sage_grpo.stages.ingest import CachedEmbeddings, EmbeddingCache, PromptSampler, ingest
-from sage_grpo.stages.rollout import SDEConfig, check_every_trained_expert_trains, generate, trained_steps
+from sage_grpo.stages.rollout import (
+    SDEConfig,
+    check_every_trained_expert_trains,
+    generate,
+    in_groups,
+    trained_steps,
+)
 from sage_grpo.stages.score import Scorer, reward_metrics
 from sage_grpo.stages.update import Updater, compute_advantages
 
@@ -341,8 +347,8 @@ class SageGRPORecipe:
         self.audit.write({"iteration": self.progress.iteration + 1, "prompt_ids": prompt_ids})
         batch_prompts = [self.train_prompts[i] for i in prompt_ids]
         group_size = config.rollout.group_size
-        sample_prompts = [prompt for prompt in batch_prompts for _ in range(group_size)]
-        sample_metadata = self.prompt_set.metadata_for([i for i in prompt_ids for _ in range(group_size)])
+        sample_prompts = in_groups(batch_prompts, group_size)
+        sample_metadata = self.prompt_set.metadata_for(in_groups(prompt_ids, group_size))
         # Batch i is scored in a worker thread while batch i+1 is generated; the scores feed this iteration's update
         # only, so the overlap keeps the step on-policy. time/score is the scoring the rollout did not hide.
         # Under sequence parallelism the K ranks of a group hold the same videos: the group's first rank scores them.

@@ -6,7 +6,8 @@ Recipe, per call of ``generate``:
   3. every sample gets its own random generator, seeded by (seed, group id, member index): its initial noise and
      every step's noise come from it, so a sample is the same whatever the batch size, order or number of ranks;
   4. batches of samples go through the T denoising steps: velocity, then ``sde.sde_step`` inside the stochastic window
-     (Euler outside it), recording latents and log-probs in float32;
+     (Euler outside it), recording latents and log-probs in float32, and which expert made each step (two-expert
+     Wan 2.2: the one ``WanPipeline`` runs at that timestep; every scorer checks it runs the same one);
   5. each batch's final latents are decoded to uint8 videos as soon as the batch is done, and handed to ``on_batch``
      (so batch i can be scored, in another thread, while batch i+1 is generated: ``Scorer.overlapped``).
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -44,6 +45,8 @@ from sage_grpo.core.sde import (
 )
 
 torch = lazy_module("torch", globals())
+
+T = TypeVar("T")
 
 
 class RolloutConfig(BaseModel):
@@ -195,6 +198,12 @@ class StepScores:
     means: torch.Tensor  # [n, S, C, F, H, W]
 
 
+def in_groups(items: Sequence[T], group_size: int) -> list[T]:
+    """Each of ``items`` (one per prompt) ``group_size`` times, in the order a rollout lays out its samples: a
+    prompt's G samples next to each other, sample n rendering prompt n // G. The one place the layout is written."""
+    return [item for item in items for _ in range(group_size)]
+
+
 def sample_seed(seed: int, group_id: int, member: int) -> int:
     """A 63-bit seed for one sample, stable across runs, machines and Python versions (unlike ``hash``)."""
     digest = hashlib.sha256(f"{seed}/{group_id}/{member}".encode()).digest()
@@ -235,7 +244,7 @@ def generate(
     if embeddings is None:  # callers with an embedding cache pass the prompts' embeddings in
         embeddings = adapter.encode_prompts(prompts)
 
-    prompt_index = torch.arange(len(prompts)).repeat_interleave(group_size)
+    prompt_index = torch.tensor(in_groups(range(len(prompts)), group_size), dtype=torch.long)
     member_index = torch.arange(group_size).repeat(len(prompts))
     group_ids = torch.as_tensor(prompt_ids, dtype=torch.long)[prompt_index]
     seeds = [sample_seed(seed, int(group), int(member)) for group, member in zip(group_ids, member_index)]
