@@ -191,9 +191,14 @@ class DiffusersAdapter(VideoModelAdapter):
         size = mesh["ulysses"].size()
         check_sequence_split(*self.attention_layout(), size)
         with _cpu_counts_as_a_device():
-            self.pipeline.transformer.enable_parallelism(
-                config=ContextParallelConfig(ulysses_degree=size, mesh=mesh), cp_plan=self.context_parallel_plan()
-            )
+            for transformer in self.denoisers():
+                transformer.enable_parallelism(
+                    config=ContextParallelConfig(ulysses_degree=size, mesh=mesh), cp_plan=self.context_parallel_plan()
+                )
+
+    def denoisers(self) -> list[torch.nn.Module]:
+        """The pipeline's transformers (two for two-expert Wan 2.2): what sequence parallelism splits."""
+        return [self.pipeline.transformer]
 
     def latent_shape(self) -> tuple[int, ...]:
         p = self.pipeline

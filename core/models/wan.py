@@ -136,6 +136,9 @@ class WanAdapter(DiffusersAdapter):
     def patch_size(self) -> tuple[int, int, int]:
         return tuple(self.pipeline.transformer.config.patch_size)
 
+    def denoisers(self) -> list[torch.nn.Module]:
+        return [self.pipeline.transformer] + ([self.pipeline.transformer_2] if len(self.expert_names) > 1 else [])
+
     def trainable_modules(self) -> list[torch.nn.Module]:
         if len(self.expert_names) == 1:
             return [self.transformer]

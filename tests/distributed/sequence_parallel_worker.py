@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from sage_grpo.core import distributed
 from sage_grpo.core.grpo import group_advantages
-from sage_grpo.core.models.tiny import tiny_hunyuan15, tiny_wan
+from sage_grpo.core.models.tiny import tiny_hunyuan15, tiny_wan, tiny_wan22
 from sage_grpo.core.trust_region import TrustRegionConfig
 from sage_grpo.stages.engine import build_engine
 from sage_grpo.stages.rollout import SDEConfig, generate
@@ -37,7 +37,11 @@ def hunyuan15_odd_text(**kwargs):
 
 
 # Each model's factory and its first transformer block, where the tokens are split.
-MODELS = {"hunyuan15": (hunyuan15_odd_text, "transformer_blocks.0"), "wan": (tiny_wan, "blocks.0")}
+MODELS = {
+    "hunyuan15": (hunyuan15_odd_text, "transformer_blocks.0"),
+    "wan": (tiny_wan, "blocks.0"),
+    "wan22": (tiny_wan22, "low.blocks.0"),  # two experts: the velocity's batch mixes both, the update trains both
+}
 
 
 def record_first_gradient(engine, into: dict[str, torch.Tensor]) -> None:
