@@ -28,6 +28,12 @@ environment rebuilds it for its own paths, and this one's next run would rebuild
 So set-up records, in the environment, each op's build rules as it last loaded them, and loads the ops again (torch's
 ninja build rebuilds only what changed) whenever the folder no longer holds those rules.
 
+One environment can be reached by several paths (a symlink to it, a bind mount under another name). The folder is
+named by the resolved path, so every path shares it, and ``use_this_environments_resolved_path`` (run before torch is
+imported: by the command line, and by ``prebuild_ops``) imports the environment's packages through that resolved path
+too, so torch's include paths and DeepSpeed's sources are the same in every build rule: otherwise each path's
+process saw the other's build as out of date and the ops were rebuilt in turn, a minute each on CPU.
+
 ``use_this_environments_ninja`` runs before either: torch runs ``ninja`` from PATH, and an environment's
 interpreter started without activating it (``.venv/bin/python``, a console script, a subprocess) finds the system's
 ninja instead of its own. Ninja 1.13 hashes the commands in an op folder's build log with rapidhash (log v7), earlier
@@ -39,6 +45,7 @@ four rebuilds in one run of the test suite (the venv's ninja 1.13, the system's 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -86,6 +93,21 @@ def use_this_environments_extensions_dir() -> Path:
     root = extensions_root()
     os.environ["TORCH_EXTENSIONS_DIR"] = str(root)
     return root
+
+
+def use_this_environments_resolved_path() -> None:
+    """Find this environment's packages through its resolved path from now on: the ``sys.path`` entries inside
+    ``sys.prefix`` are rewritten under its real path (see the module docstring). Call it before torch and DeepSpeed are
+    imported (a module already imported keeps the path it was found by). Child processes started with this interpreter
+    (torchrun's workers) reach the environment by the same path as this one and call it again themselves."""
+    prefix, resolved = sys.prefix, os.path.realpath(sys.prefix)
+    if prefix == resolved:
+        return
+    inside = prefix + os.sep
+    sys.path[:] = [
+        resolved + entry[len(prefix) :] if entry == prefix or entry.startswith(inside) else entry for entry in sys.path
+    ]
+    importlib.invalidate_caches()
 
 
 def use_this_environments_ninja(scripts: str | Path | None = None) -> None:
@@ -187,6 +209,7 @@ def prebuild_ops(stamp: Path | None = None) -> None:
     docstring), through DeepSpeed's own loader; skipped without importing DeepSpeed when ``stamp`` (default: in this
     environment, ``sys.prefix``) matches the cache. Nothing to do on other accelerators, whose images build their ops
     at install time (see the Dockerfile)."""
+    use_this_environments_resolved_path()
     use_this_environments_ninja()
     root = use_this_environments_extensions_dir()
     if root.is_dir():
