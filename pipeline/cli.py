@@ -17,6 +17,7 @@ from sage_grpo.core.errors import (
     first_line,
     out_of_space,
 )
+from sage_grpo.core.ops_cache import use_this_environments_resolved_path
 from sage_grpo.core.secrets import mask_process_output, mask_uri
 from sage_grpo.pipeline import commands
 
@@ -472,7 +473,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def program() -> int:
     """``sagegrpo`` as a program (the console script, ``python -m sage_grpo.pipeline.cli``): ``main``, then a
-    process that started a process group ends through ``core.distributed.exit_launched``."""
+    process that started a process group ends through ``core.distributed.exit_launched``. Before torch is imported,
+    the environment is reached by its resolved path (``core.ops_cache``: DeepSpeed's ops are built once for it)."""
+    use_this_environments_resolved_path()
     mask_process_output()
     code = main()
     if "torch.distributed" not in sys.modules:  # --help, config, plan: no process group, and no torch to import
