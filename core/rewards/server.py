@@ -493,6 +493,13 @@ def _bounded_protocol(settings: ServerSettings) -> type[H11Protocol]:
             if cycle is not None and not cycle.response_complete and not cycle.more_body:
                 self._disarm_deadline()  # the request is whole: request_timeout_s bounds its scoring
 
+        def on_response_complete(self) -> None:
+            super().on_response_complete()  # starts on a pipelined request already buffered, if there is one
+            cycle, buffered = self.cycle, bool(self.conn.trailing_data[0])
+            begun = buffered or (cycle is not None and not cycle.response_complete and cycle.more_body)
+            if begun and self._deadline is None and not self.transport.is_closing():
+                self._arm_deadline()  # its bytes came before this response: no data_received will arm it
+
         def send_400_response(self, msg: str) -> None:  # h11 could not parse the request
             _log_refusal(self._host(), 400, "not a well-formed HTTP/1.1 request")
             super().send_400_response(msg)

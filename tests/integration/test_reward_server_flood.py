@@ -2,6 +2,7 @@
 attacker inside the cluster) would, against a real server process with its default bounds. Loopback has the whole
 127.0.0.0/8, so the flood comes from 127.0.0.2 and the authorised client from 127.0.0.1, two peers."""
 
+import re
 import selectors
 import socket
 import threading
@@ -82,9 +83,11 @@ def health(url: str) -> int:
 
 def test_an_authorised_client_is_scored_while_one_peer_holds_600_idle_sockets(tmp_path, monkeypatch):
     monkeypatch.setenv("FLOOD_TOKEN", TOKEN)
-    # The defaults (read_timeout_s 60, max_connections 512) keep every idle socket the server accepts for the whole
-    # test; only the token is set.
-    served = Served(tmp_path, [{"name": "brightness"}], env={"FLOOD_TOKEN": TOKEN}, token_env="FLOOD_TOKEN")
+    # Default bounds (max_connections 512, 64 per client) but a read timeout longer than the test, so every idle
+    # socket the server accepts stays held the whole time, however slow the machine.
+    served = Served(
+        tmp_path, [{"name": "brightness"}], env={"FLOOD_TOKEN": TOKEN}, token_env="FLOOD_TOKEN", read_timeout_s=600
+    )
     try:
         with IdleFlood(served.port, FLOODER, FLOOD_SOCKETS) as flood:
             statuses = [health(served.url) for _ in range(5)]
@@ -106,3 +109,17 @@ def test_an_authorised_client_is_scored_while_one_peer_holds_600_idle_sockets(tm
     log = served.log()
     assert f"refused request from {FLOODER}: 503" in log and "Traceback" not in log
     assert log.count(f"from {FLOODER}: 503") == 1  # once while the peer stays at its limit, not once a socket
+
+
+def test_a_pipelined_request_left_unfinished_is_cut_at_the_read_deadline(tmp_path):
+    # One packet: a whole GET /health, then the start of a second request that never ends. The second request's
+    # bytes arrive before the first answer, so the deadline must start when that answer is sent, not on new bytes.
+    served = Served(tmp_path, [{"name": "brightness"}], read_timeout_s=1.0)
+    try:
+        with socket.create_connection(("127.0.0.1", served.port), timeout=30) as connection:
+            connection.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nPOST /score HTTP/1.1\r\nHost: x\r\n")
+            answers = connection.makefile("rb").read()  # until the server closes the connection
+    finally:
+        served.stop()
+    assert re.findall(rb"HTTP/1\.1 (\d{3}) ", answers) == [b"200", b"408"], answers[-300:]  # one after the other
+    assert "refused request from 127.0.0.1: 408" in served.log()
