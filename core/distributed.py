@@ -345,6 +345,28 @@ def gather_or_raise(call) -> list:
     return [value for _, value in outcomes]
 
 
+def gather_to_main_or_raise(call) -> list | None:
+    """``call()`` on every rank, the list of all ranks' results on rank 0 and None on the others: what only rank 0
+    reads (evaluation videos) travels to rank 0 alone, not to every rank. If any rank raised, every rank raises the
+    first such error (by rank)."""
+    try:
+        outcome = ("ok", call())
+    except Exception as error:  # noqa: BLE001 - re-raised below, on every rank
+        outcome = ("error", error)
+    gather_or_raise(lambda: _raised(outcome))  # the outcomes' kinds, small, on every rank
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [outcome[1]]
+    gathered = [None] * dist.get_world_size() if is_main() else None
+    dist.gather_object(outcome[1], gathered, dst=0)
+    return gathered
+
+
+def _raised(outcome: tuple) -> None:
+    kind, value = outcome
+    if kind == "error":
+        raise value
+
+
 def node_leader() -> bool:
     """True on the lowest rank of each host: the one that fetches files every rank of its host reads."""
     import socket

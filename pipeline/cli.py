@@ -228,12 +228,21 @@ def _add_plan(subparsers) -> None:
     parser.add_argument(
         "--sequence-parallel", type=int, metavar="K", help="Ulysses group size (default: the config's parallel K)"
     )
+    parser.add_argument("--mfu", type=float, default=0.35, help="MFU the GPU-hours assume (default 0.35)")
+    parser.add_argument("--gpu", default="H100", help="GPU whose bf16 peak the GPU-hours assume (default H100)")
     parser.set_defaults(handler=_plan)
 
 
 def _plan(args) -> int:
     return commands.plan_command(
-        args.config, list(args.overrides), args.gpus_per_node, args.nodes, args.gpu_mem, args.sequence_parallel
+        args.config,
+        list(args.overrides),
+        args.gpus_per_node,
+        args.nodes,
+        args.gpu_mem,
+        args.sequence_parallel,
+        mfu=args.mfu,
+        gpu_name=args.gpu,
     )
 
 

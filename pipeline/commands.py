@@ -358,15 +358,24 @@ def plan_command(
     nodes: int,
     gpu_mem_gb: float,
     sequence_parallel: int | None = None,
+    mfu: float = 0.35,
+    gpu_name: str = "H100",
 ) -> int:
-    """Prints the per-GPU memory plan and what fits instead; building nothing, it needs no GPU. Exit 1: no fit."""
-    from sage_grpo.pipeline.memory_plan import plan_from_config
+    """Prints the per-GPU memory plan of the hand formula and what fits instead, then the plan traced from the real
+    model (``pipeline.phase_plan``); allocating nothing, it needs no GPU. Exit 1: the traced plan does not fit."""
+    from sage_grpo.pipeline.config import load_run_config
+    from sage_grpo.pipeline.memory_plan import plan_for
+    from sage_grpo.pipeline.phase_plan import phase_plan
 
     if gpu_mem_gb <= 0 or not math.isfinite(gpu_mem_gb):
         raise UserError(f"--gpu-mem must be a positive number of GB, got {gpu_mem_gb}")
-    plan = plan_from_config(config_path, gpus_per_node, nodes, gpu_mem_gb, overrides, sequence_parallel)
-    print(plan)
-    return 0 if plan.fits else 1
+    config = load_run_config(config_path, overrides)
+    formula = plan_for(config, gpus_per_node, nodes, gpu_mem_gb, sequence_parallel)
+    print("hand formula (pipeline/memory_plan.py; a cross-check, and what its suggestions assume):")
+    print(formula)
+    traced = phase_plan(config, formula, mfu=mfu, gpu_name=gpu_name)
+    print(traced)
+    return 0 if traced.fits else 1
 
 
 def promote_command(

@@ -449,6 +449,9 @@ def budget(workload: Workload, layout: Layout) -> MemoryPlan:
     )
 
 
+# The largest setup the planner considers: its searches for what fits walk node counts one by one.
+MAX_GPUS_PER_NODE, MAX_NODES = 64, 1024
+
 # What DeepSpeed config the planner suggests for offload: deepspeed_configs/zero3_offload.json, optimizer and
 # parameters in host memory.
 OFFLOAD = {"zero_stage": 3, "offload_optimizer": True, "offload_param": True}
@@ -560,6 +563,11 @@ def plan_for(
     config, gpus_per_node: int, nodes: int, gpu_mem_gb: float, sequence_parallel: int | None = None
 ) -> MemoryPlan:
     """The plan, with suggestions, for a validated run config (``pipeline.config.RunConfig``)."""
+    if not (1 <= gpus_per_node <= MAX_GPUS_PER_NODE and 1 <= nodes <= MAX_NODES):
+        raise UserError(
+            f"--gpus-per-node must be 1..{MAX_GPUS_PER_NODE} and --nodes 1..{MAX_NODES}, "
+            f"got {gpus_per_node} and {nodes}"
+        )
     model, update = config.model, config.update
     if "hunyuan" not in model.name.lower() or model.name.lower().startswith("tiny"):
         raise UserError(

@@ -9,9 +9,10 @@ the UI) and a table that grows by one block of rows per evaluation.
 
 Sharded over data-parallel ranks: each (prompt, seed) is sampled and scored once, on one rank (its group's first rank
 under sequence parallelism), in whole batches of the single-rank order, so every video and score is bit for bit a
-single-rank evaluation's; the scores and key frames are gathered where ``write`` is true (rank 0), which computes
-the metrics and writes the videos. Every rank runs as many batches as the busiest one (under ZeRO-3 a forward is a
-collective, so all ranks must take part): a rank with fewer samples its first batch again and discards it.
+single-rank evaluation's; the scores and key frames are gathered to rank 0 alone (``write`` is true there), which
+computes the metrics and writes the videos. Every rank runs as many batches as the busiest one (under ZeRO-3 a
+forward is a collective, so all ranks must take part): a rank with fewer samples its first batch again and discards
+it.
 """
 
 from __future__ import annotations
@@ -148,8 +149,8 @@ def evaluate(
             "videos": {i: rollout.videos[k] for k, i in enumerate(positions) if i < write_videos},
         }
 
-    shards = distributed.gather_or_raise(lambda: distributed.on_sequence_leader(score_mine))
-    if not write:
+    shards = distributed.gather_to_main_or_raise(lambda: distributed.on_sequence_leader(score_mine))
+    if not write:  # rank 0 writes, and only rank 0 received the videos
         return Evaluation(metrics={})
     return _assembled(distributed.one_per_sequence_group(shards), prompts, adapter.fps, out_dir)
 

@@ -462,9 +462,12 @@ class Updater:
         return forward * (generated + trained * (3 + references))
 
     def mfu(self, rollout, seconds: float) -> float | None:
-        """Estimated model FLOPs utilisation of an iteration that took ``seconds``; None off a known GPU."""
+        """Estimated model FLOPs utilisation of an iteration that took ``seconds``; None off a known GPU. The K ranks
+        of a sequence-parallel group share each sample's FLOPs, which ``iteration_flops`` counts whole."""
         peak = flops.peak_flops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
-        return None if peak is None else flops.mfu(self.iteration_flops(rollout), seconds, peak)
+        if peak is None:
+            return None
+        return flops.mfu(self.iteration_flops(rollout), seconds, peak, devices=distributed.sequence_parallel_size())
 
     @contextmanager
     def ema_swapped_in(self):

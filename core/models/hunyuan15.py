@@ -29,11 +29,12 @@ _TEXT_INPUTS = (
 )
 
 
-class UlyssesAttnProcessor:
-    """HunyuanVideo15AttnProcessor2_0 (diffusers 0.42) with a key-padding mask instead of its [S, S] query x key mask,
-    which Ulysses attention cannot gather (it all-gathers masks of the local key length only). The outputs of real
-    tokens are the same: a padded text token is masked as a key in every block, so its own (query) row is never read
-    by a real token, and the output projection keeps only the video tokens."""
+class KeyPaddingAttnProcessor:
+    """HunyuanVideo15AttnProcessor2_0 (diffusers 0.42) with a key-padding mask [B, 1, 1, S] instead of its query x key
+    mask [B, 1, S, S]. Used at every K: the [S, S] mask and the float bias SDPA makes of it are 2.3 + 4.7 GiB at 480p
+    and 24 + 48 GiB at 720p, and Ulysses attention cannot gather it (it all-gathers masks of the local key length
+    only). The outputs of real tokens are the same: a padded text token is masked as a key in every block, so its own
+    (query) row is never read by a real token, and the output projection keeps only the video tokens."""
 
     _attention_backend = None
     _parallel_config = None
@@ -66,6 +67,13 @@ class UlyssesAttnProcessor:
         return attn.to_out[1](attn.to_out[0](video)), attn.to_add_out(text_out)
 
 
+def use_key_padding_attention(transformer) -> None:
+    """Every dual-stream block of a ``HunyuanVideo15Transformer3DModel`` attends with ``KeyPaddingAttnProcessor``
+    (the text refiner's attention, over the text tokens alone, keeps diffusers' own)."""
+    for block in transformer.transformer_blocks:
+        block.attn.set_processor(KeyPaddingAttnProcessor())
+
+
 def _heads(attn, projected: torch.Tensor) -> torch.Tensor:
     return projected.unflatten(2, (attn.heads, -1))
 
@@ -76,6 +84,10 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
     ``guidance_scale=None`` keeps the scale configured in the pipeline's guider. Scales <= 1 skip the unconditional
     branch entirely. The pipeline's guider is replaced by one with the adapter's scale, so that calling the pipeline
     itself (benchmarks, the correctness tests) samples the same distribution as our rollout.
+
+    ``offload_text_encoder``: the two text encoders (Qwen2.5-VL-7B's text model and ByT5, ~13 GiB in bf16) live in
+    host memory and visit the GPU only to encode prompts the embedding cache has not seen (``stages.ingest``), so
+    the GPU holds them during no training phase (``sagegrpo plan`` shows the difference).
     """
 
     sequence_parallel_size = 1  # K, set by enable_sequence_parallel
@@ -90,6 +102,7 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
         num_frames: int = 81,
         negative_prompt: str = "",
         identity: str | None = None,
+        offload_text_encoder: bool = False,
     ):
         from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -104,6 +117,7 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
         if guidance_scale is not None:
             pipeline.guider = guider = guider.new(guidance_scale=guidance_scale)
 
+        use_key_padding_attention(pipeline.transformer)
         self.pipeline = pipeline
         self.transformer = pipeline.transformer
         self.guidance_scale = float(guider.guidance_scale)
@@ -117,6 +131,9 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
             )
         self.height, self.width = height, width
         self._identity = f"hunyuan15:{source}:{pipeline.text_encoder.dtype}"
+        self.offload_text_encoder = offload_text_encoder
+        if offload_text_encoder:
+            self._move_text_encoders("cpu")
 
     @classmethod
     def from_pretrained(
@@ -167,8 +184,6 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
         }
 
     def enable_sequence_parallel(self, mesh) -> None:
-        for block in self.pipeline.transformer.transformer_blocks:  # the text refiner's attention runs unsplit
-            block.attn.set_processor(UlyssesAttnProcessor())
         super().enable_sequence_parallel(mesh)
         self.sequence_parallel_size = mesh["ulysses"].size()
 
@@ -183,10 +198,21 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
         return PromptEmbeddings(positive, negative)
 
     def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        tensors = self.pipeline.encode_prompt(
-            prompt=prompts, device=self.device, dtype=self.dtype, batch_size=len(prompts)
-        )
+        device = self.device
+        if self.offload_text_encoder:
+            self._move_text_encoders(device)
+        try:
+            tensors = self.pipeline.encode_prompt(
+                prompt=prompts, device=device, dtype=self.dtype, batch_size=len(prompts)
+            )
+        finally:
+            if self.offload_text_encoder:
+                self._move_text_encoders("cpu")
         return dict(zip(_TEXT_INPUTS, tensors))
+
+    def _move_text_encoders(self, device) -> None:
+        self.pipeline.text_encoder.to(device)
+        self.pipeline.text_encoder_2.to(device)
 
     def predict_velocity(
         self,
@@ -264,3 +290,54 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
         # One sample per VAE call: the VAE's causal attention mask breaks on batches > 1 (diffusers PR #13133).
         video = torch.cat([vae.decode(sample[None], return_dict=False)[0] for sample in latents])
         return frames_to_uint8(self.pipeline.video_processor.postprocess_video(video, output_type="pt"))
+
+
+def fake_tensor_forward(
+    model, hidden_states, timestep, text: dict[str, torch.Tensor], image_embeds, sequence_parallel: int = 1
+) -> torch.Tensor:
+    """``HunyuanVideo15Transformer3DModel.forward`` (diffusers 0.42, text-to-video) written so that it runs on fake
+    tensors, for ``core.memory_trace``: the same modules, in the same order, on tensors of the same shapes.
+
+    Written by hand because the model's forward cannot run without values: it tests ``image_embeds == 0`` in an
+    ``if`` and moves the valid text tokens first by boolean indexing, whose output length depends on the masks.
+    Here the text streams are concatenated in place and the masked tokens zeroed where they stand; attention is
+    blind to the order of its keys and the masked tokens are masked as keys, so the video output is the model's
+    (``tests/unit/test_memory_trace.py`` compares them on real tensors).
+
+    ``sequence_parallel`` K: what one rank of a Ulysses group holds, as ``context_parallel_plan`` splits it: the
+    blocks run on 1/K of the video and of the (padded) text tokens, and the output is gathered whole. (Ulysses
+    attends over all tokens of 1/K of the heads: the same bytes as all heads of 1/K of the tokens.)"""
+    config = model.config
+    batch, _, frames, height, width = hidden_states.shape
+    p_t, p = config.patch_size_t, config.patch_size
+    rotary = model.rope(hidden_states)
+    temb = model.time_embed(timestep, timestep_r=None)
+    hidden_states = model.x_embedder(hidden_states)
+    mask, mask_2 = text["encoder_attention_mask"].bool(), text["encoder_attention_mask_2"].bool()
+    qwen = model.context_embedder(text["encoder_hidden_states"], timestep, text["encoder_attention_mask"])
+    qwen = qwen + model.cond_type_embed(torch.zeros_like(qwen[:, :, 0], dtype=torch.long))
+    byt5 = model.context_embedder_2(text["encoder_hidden_states_2"])
+    byt5 = byt5 + model.cond_type_embed(torch.ones_like(byt5[:, :, 0], dtype=torch.long))
+    image = model.image_embedder(image_embeds) * 0.0  # text-to-video: the image tokens are zeroed and masked
+    image = image + model.cond_type_embed(2 * torch.ones_like(image[:, :, 0], dtype=torch.long))
+    image_mask = torch.zeros(image.shape[:2], dtype=torch.bool, device=image.device)
+    encoder_hidden_states = torch.cat([image, byt5 * mask_2[..., None], qwen * mask[..., None]], dim=1)
+    encoder_attention_mask = torch.cat([image_mask, mask_2, mask], dim=1)
+    if sequence_parallel > 1:
+        k, missing = sequence_parallel, -encoder_hidden_states.shape[1] % sequence_parallel
+        encoder_hidden_states = F.pad(encoder_hidden_states, (0, 0, 0, missing))
+        encoder_attention_mask = F.pad(encoder_attention_mask, (0, missing))
+        share = lambda t, dim: t.narrow(dim, 0, t.shape[dim] // k)  # noqa: E731
+        hidden_states, encoder_hidden_states = share(hidden_states, 1), share(encoder_hidden_states, 1)
+        encoder_attention_mask, rotary = share(encoder_attention_mask, 1), tuple(share(r, 0) for r in rotary)
+    for block in model.transformer_blocks:
+        args = (hidden_states, encoder_hidden_states, temb, encoder_attention_mask, rotary)
+        if torch.is_grad_enabled() and model.gradient_checkpointing:
+            hidden_states, encoder_hidden_states = model._gradient_checkpointing_func(block, *args)
+        else:
+            hidden_states, encoder_hidden_states = block(*args)
+    hidden_states = model.proj_out(model.norm_out(hidden_states, temb))
+    if sequence_parallel > 1:
+        hidden_states = torch.cat([hidden_states] * sequence_parallel, dim=1)  # the gather
+    hidden_states = hidden_states.reshape(batch, frames // p_t, height // p, width // p, -1, p_t, p, p)
+    return hidden_states.permute(0, 4, 1, 5, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(2, 3)

@@ -41,3 +41,20 @@ def test_hidden_size_reads_the_width_or_heads_times_head_dim_from_the_config():
     assert flops.hidden_size(Configured(hidden_size=3072)) == 3072
     assert flops.hidden_size(Configured(num_attention_heads=24, attention_head_dim=128)) == 3072
     assert flops.hidden_size(Configured()) is None
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_a_sequence_parallel_rank_is_credited_with_1_over_k_of_its_groups_flops(monkeypatch, k):
+    # Every rank of a group of K counts its samples' FLOPs whole (iteration_flops); each did 1/K of them.
+    from types import SimpleNamespace
+
+    import torch
+
+    from sage_grpo.core import distributed
+    from sage_grpo.stages.update import Updater
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(distributed, "sequence_parallel_size", lambda: k)
+    updater = SimpleNamespace(iteration_flops=lambda rollout: 989e12)
+    assert Updater.mfu(updater, rollout=None, seconds=1.0) == pytest.approx(1 / k)

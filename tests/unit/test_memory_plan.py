@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from sage_grpo.core import memory_trace
 from sage_grpo.core.errors import UserError
 from sage_grpo.core.lora import LoraConfig
-from sage_grpo.pipeline import memory_plan
+from sage_grpo.pipeline import memory_plan, phase_plan
 from sage_grpo.stages.rollout import SDEConfig
 
 pytestmark = pytest.mark.unit
@@ -270,8 +271,29 @@ def test_settings_the_estimators_do_not_model_are_refused(full):
         memory_plan.model_states(full.param_count, full.param_count, full.largest_layer_params, 2, True, True, 8, 1)
 
 
+# What the traced plan's stand-ins below report: a transformer call adding 1 GiB and 1e15 FLOPs, the frozen models'
+# parameter counts. The real traces are tested in tests/unit/test_memory_trace.py and, for the shipped configs,
+# tests/integration/test_shipped_plans.py.
+STUB_TRACE = memory_trace.StepTrace(peak=GIB, flops=10**15)
+STUB_FROZEN = {"text encoders": 7 * 10**9, "VAE": 10**9}
+
+
 @pytest.fixture
-def counted(monkeypatch, lora):
+def traced(monkeypatch):
+    """Stand in for the traces and the frozen models' counts; record each traced call."""
+    calls = []
+
+    def trace(transformer_config, call, lora_config=None, dtype=None):
+        calls.append(call)
+        return STUB_TRACE
+
+    monkeypatch.setattr(memory_trace, "trace_hunyuanvideo15", trace)
+    monkeypatch.setattr(phase_plan, "frozen_parameter_counts", lambda rewards: dict(STUB_FROZEN))
+    return calls
+
+
+@pytest.fixture
+def counted(monkeypatch, lora, traced):
     """Stand in for the meta-device count (tested above) and record what the config asked it for."""
     calls = []
 
@@ -380,7 +402,7 @@ def test_plan_command_exits_1_when_the_plan_does_not_fit(capsys, counted, small_
     assert err.count("\n") == 1 and "16 attention heads" in err
 
 
-def test_the_shipped_720p_config_fits_8_nodes_of_8_gpus_at_the_smallest_k(monkeypatch, capsys, full):
+def test_the_shipped_720p_config_fits_8_nodes_of_8_gpus_at_the_smallest_k(monkeypatch, capsys, full, traced):
     from sage_grpo.pipeline.cli import main
     from sage_grpo.pipeline.config import load_run_config
 
@@ -396,3 +418,72 @@ def test_the_shipped_720p_config_fits_8_nodes_of_8_gpus_at_the_smallest_k(monkey
     assert not any(memory_plan.budget(plan.workload, layout).fits for layout in smaller)
     assert main(["plan", str(path), "--gpus-per-node", "8", "--nodes", "8"]) == 0
     assert f"K={k}" in capsys.readouterr().out
+
+
+def _phase_plan(config_path, *overrides, k=None, mfu=0.4):
+    from sage_grpo.pipeline.config import load_run_config
+
+    config = load_run_config(config_path, ["model.dtype=bfloat16", *overrides])
+    formula = memory_plan.plan_for(config, 8, 1, 80, sequence_parallel=k)
+    return phase_plan.phase_plan(config, formula, mfu=mfu, gpu_name="H100")
+
+
+def test_the_traced_plan_adds_each_phase_to_what_lives_throughout(traced, counted, small_config):
+    config = small_config[1]
+    plan = _phase_plan(config)
+    # 1 GiB a call (STUB_TRACE) on top of what lives throughout; the frozen models in bf16 where they live.
+    resident = sum(plan.resident.values())
+    assert plan.resident["text encoders"] == 2 * STUB_FROZEN["text encoders"]
+    assert plan.phases["evaluation"] == resident + GIB
+    work = plan.formula.workload
+    assert plan.phases["rollout step"] == resident + work.rollout + GIB
+    assert plan.phases["update micro-step"] == resident + work.rollout + work.references + GIB
+    assert plan.peak == plan.phases["update micro-step"]
+    # The update traces training with the run's checkpointing; the rollout and the references do not.
+    assert {(c.train, c.checkpointing) for c in traced} == {(False, False), (True, True)}
+    offloaded = _phase_plan(config, "model.kwargs.offload_text_encoder=true")
+    assert "text encoders" not in offloaded.resident
+    assert {name: plan.phases[name] - offloaded.phases[name] for name in plan.phases} == dict.fromkeys(
+        plan.phases, 2 * STUB_FROZEN["text encoders"]
+    )
+
+
+def test_gpu_hours_follow_from_the_flops_and_a_rank_does_1_over_k_of_its_groups(traced, counted, small_config):
+    whole = _phase_plan(small_config[1])
+    del traced[:]
+    split = _phase_plan(small_config[1], k=2)
+    # Memory is traced on a rank's share of the tokens, FLOPs on whole sequences (Ulysses attends over all tokens of
+    # 1/K of the heads), then divided by K.
+    assert sorted(call.sequence_parallel for call in traced) == [1, 1, 2, 2]
+    assert split.rank_flops == whole.rank_flops / 2
+    seconds = whole.rank_flops / (0.4 * 989e12)
+    assert whole.seconds_per_iteration == pytest.approx(seconds)
+    assert whole.gpu_hours_per_iteration == pytest.approx(seconds * 8 / 3600)
+    assert "GPU-hours per iteration" in str(whole)
+
+
+def test_the_plan_says_when_the_hand_formula_and_the_trace_disagree(traced, counted, small_config):
+    plan = _phase_plan(small_config[1])
+    agree = dataclasses.replace(plan, update_transient=plan.formula.activations)
+    assert "they agree (0%)" in str(agree)
+    assert "they disagree" in str(dataclasses.replace(plan, update_transient=plan.formula.activations * 2))
+
+
+@pytest.mark.parametrize(
+    "flags, reason",
+    [
+        (["--mfu", "3"], "--mfu"),
+        (["--gpu", "abacus"], "--gpu abacus"),
+        (["--nodes", "0"], "--nodes"),
+        (["--nodes", "1000000000"], "--nodes"),
+        (["--gpus-per-node", "-1"], "--gpus-per-node"),
+        (["--gpu-mem", "nan"], "--gpu-mem"),
+        (["--sequence-parallel", "0"], "sequence_parallel_size"),
+    ],
+)
+def test_plan_with_absurd_inputs_says_so_in_one_line(capsys, counted, small_config, flags, reason):
+    from sage_grpo.pipeline.cli import main
+
+    assert main([*small_config, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and reason in err
