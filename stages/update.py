@@ -712,11 +712,15 @@ def model_forward_flops(module: torch.nn.Module, adapter) -> float:
     few hundred against tens of thousands of video tokens at the paper's size."""
     config = getattr(module, "config", None) or {}
     patch, patch_t = config.get("patch_size", 1), config.get("patch_size_t", 1)
+    # Wan's config holds its patch as one (frames, height, width) tuple; HunyuanVideo 1.5's as two numbers.
+    p_t, p_h, p_w = patch if isinstance(patch, list | tuple) else (patch_t, patch, patch)
     _, frames, height, width = adapter.latent_shape()
-    tokens = (frames // patch_t) * (height // patch) * (width // patch)
+    tokens = (frames // p_t) * (height // p_h) * (width // p_w)
     layers = config.get("num_layers", 0) + config.get("num_single_layers", 0)
     # Under ZeRO-3 a parameter's local tensor is empty; ds_numel is its whole size.
     parameters = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+    # A module of equal experts (two-expert Wan 2.2) runs one of them per forward.
+    parameters //= getattr(module, "num_experts", 1)
     branches = 2 if getattr(adapter, "cfg_enabled", False) else 1
     return branches * tokens * flops.forward_flops_per_token(parameters, layers, flops.hidden_size(module) or 0, tokens)
 

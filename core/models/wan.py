@@ -37,6 +37,7 @@ class WanExperts(torch.nn.Module):
     def __init__(self, high: WanTransformer3DModel, low: WanTransformer3DModel):
         super().__init__()
         self.high, self.low = high, low
+        self.num_experts = len(EXPERTS)  # one runs per forward (what core.flops counts)
         # What the engine reads off a diffusers model: the blocks ZeRO-3 gathers whole, the width its buckets follow.
         self._no_split_modules = list(high._no_split_modules or [])
         self.config = high.config

@@ -178,3 +178,11 @@ def test_shipped_a14b_configs_hold_wan22s_own_sampling_settings(kind):
     )  # fmt: skip
     assert (model.kwargs["height"], model.kwargs["width"], model.kwargs["num_frames"]) == (480, 832, 81)
     assert (config.sde.steps, config.sde.shift) == (20, 12.0) and config.lora.enabled == (kind == "lora")
+
+
+def test_forward_flops_count_one_expert():
+    """What the MFU is computed from: one expert runs per forward; Wan's patch is a (frames, height, width) tuple."""
+    from sage_grpo.stages.update import model_forward_flops
+
+    two, one = tiny_wan22(), tiny_wan()
+    assert model_forward_flops(two.transformer, two) == model_forward_flops(one.transformer, one) > 0
