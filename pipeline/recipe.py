@@ -194,7 +194,7 @@ class SageGRPORecipe:
             "derived.effective_batch": config.rollout.samples_per_rank * distributed.data_parallel_size(),
             "derived.trainable_parameters": sum(_numel(p) for p in module.parameters() if p.requires_grad),
             "derived.total_parameters": sum(_numel(p) for p in module.parameters()),
-            "derived.trained_steps": config.sde.trained_step_count,
+            "derived.trained_steps": _trained_step_count(config, self.policy.adapter),
         }
 
     def header(self) -> str:
@@ -633,13 +633,20 @@ def build_policy(config: RunConfig) -> Policy:
 def _accumulation_steps(config: RunConfig, adapter) -> int:
     """``config.accumulation_steps`` on the model's own schedule, counting only the steps of the experts that train
     (two-expert Wan 2.2 with ``model.train_experts``), which only the built model knows."""
-    sigmas = adapter.sigma_schedule(config.sde.steps, config.sde.shift).cpu()
     try:
-        check_every_trained_expert_trains(config.sde, adapter, sigmas)
-        steps = int(trained_steps(config.sde, adapter, sigmas).sum())
-        return config.update.accumulation_steps(config.rollout.samples_per_rank, steps)
+        check_every_trained_expert_trains(config.sde, adapter, _model_sigmas(config, adapter))
+        return config.update.accumulation_steps(config.rollout.samples_per_rank, _trained_step_count(config, adapter))
     except ValueError as error:
         raise UserError(str(error)) from None
+
+
+def _trained_step_count(config: RunConfig, adapter) -> int:
+    """The steps of the configured schedule that train on this model (its sigmas, its trained experts)."""
+    return int(trained_steps(config.sde, adapter, _model_sigmas(config, adapter)).sum())
+
+
+def _model_sigmas(config: RunConfig, adapter) -> torch.Tensor:
+    return adapter.sigma_schedule(config.sde.steps, config.sde.shift).cpu()
 
 
 def _numel(param: torch.nn.Parameter) -> int:
