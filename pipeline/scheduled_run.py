@@ -5,6 +5,7 @@ Layout under the checkpoint root (a local folder or ``s3://bucket/prefix``)::
     ROOT/sage-2026-12-03/                   one scheduled run, named by the day it started; its checkpoints live here
     ROOT/sage-2026-12-03/schedule/prompt_set    the prompt set the run started with (a resumed run keeps it)
     ROOT/sage-2026-12-03/schedule/train.done    one marker per finished step, written only after the step exits 0
+    ROOT/sage-2026-12-03/schedule/train.failed  a step that exited 2 or 3 (see below): the run is not resumed
 
 Steps: ``train`` runs ``sagegrpo run`` with ``registry.model_name`` set to ``--model`` and ``registry.promote=false``:
 a completed run evaluates its final policy on the held-out prompts, exports it and registers it as the model's
@@ -30,16 +31,16 @@ nothing to do; otherwise a new run named by today's date starts on the newest pr
 day therefore never trains twice. Two invocations at the same time
 are not guarded against here: the CronJob uses ``concurrencyPolicy: Forbid`` and infra/scheduled_run.sh a flock.
 
-Prompt sets are the entries directly under the prompts location; the newest is the greatest name, so name them by
-date (``2026-12-03/`` or ``2026-12-03.jsonl``). Names starting with ``.`` or ``_`` (uploads in progress, markers) are
-ignored.
+Prompt sets are the prompt files directly under the prompts location (``.txt``, ``.jsonl`` or ``.csv``, what
+``data.source`` reads); the newest is the greatest name, so name them by date (``2026-12-03.jsonl``). Names starting
+with ``.`` or ``_`` (uploads in progress, markers) are ignored.
 
 A step that fails stops the run with that step's exit status, so a training run stopped with 75 (checkpointed,
 restart me) reaches the scheduler as 75 and the next start resumes it. A step that exits 2 (a user error: a bad
-config combination, scores the gate cannot compare), or 3 (the hacking guard stopped the run), would end the same
-way on every start, so it is marked
-``schedule/<step>.failed`` (with its status) and the run counts as finished: the next start does not retry it but
-trains the next prompt set when one arrives. Delete the marker to retry the run after fixing what it said.
+config combination, scores the gate cannot compare) or 3 (the hacking guard stopped the run) would end the same way
+on every start, so it is marked ``schedule/<step>.failed`` (with its status) and the run counts as finished: the next
+start does not retry it but trains the next prompt set when one arrives. Delete the marker to retry the run after
+fixing what it said.
 
 Training runs ``--nproc-per-node`` processes, by default one per GPU of this node (torchrun's ``gpu``), 1 without one.
 """
