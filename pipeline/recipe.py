@@ -589,7 +589,8 @@ class SageGRPORecipe:
                     guarded=settings.guards,
                     min_eval_prompts=settings.min_eval_prompts,
                 )
-                logger.info("%s", decision.summary())
+                # Scores it cannot compare are a setup to fix, not a verdict: said louder.
+                logger.log(logging.INFO if decision.comparable else logging.WARNING, "%s", decision.summary())
         return export_dir
 
 
