@@ -435,6 +435,10 @@ def _legacy_model_record(base_model: str) -> dict[str, Any]:
 
 
 def _apply_export(transformer, export_dir: Path, kind: str) -> None:
+    if hasattr(transformer, "export_components"):  # two-expert Wan 2.2: one subfolder per trained expert
+        for folder in sorted(path for path in export_dir.iterdir() if path.is_dir()):
+            _apply_export(transformer.component(folder.name), folder, kind)
+        return
     if kind == "lora":
         transformer.load_lora_adapter(export_dir, weight_name=LORA_WEIGHT_NAME)
         return

@@ -57,6 +57,13 @@ class WanExperts(torch.nn.Module):
             if any(p.requires_grad for p in self.expert(name).parameters())
         }
 
+    def component(self, name: str) -> WanTransformer3DModel:
+        """The expert a WanPipeline component name (``transformer``, ``transformer_2``) names."""
+        by_component = {component: expert for expert, component in PIPELINE_COMPONENTS.items()}
+        if name not in by_component:
+            raise ValueError(f"{name!r} is not a Wan 2.2 expert's component ({', '.join(by_component)})")
+        return self.expert(by_component[name])
+
     def enable_gradient_checkpointing(self) -> None:
         for name in EXPERTS:
             self.expert(name).enable_gradient_checkpointing()

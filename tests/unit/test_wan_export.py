@@ -4,6 +4,7 @@ it renders what the trained model renders for the same seed."""
 
 import json
 
+import pandas as pd
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
@@ -84,3 +85,41 @@ def test_an_expert_that_did_not_train_is_left_to_the_base_checkpoint(tmp_path):
     assert {name.split("/")[0] for name in files} == {"transformer_2"}
     # Exporting again replaces the earlier export (its files, in their subfolder, all match its manifest).
     export_policy(_trained(train_experts=["low"]).transformer, tmp_path / "export")
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_pyfunc_loads_both_experts_of_an_export(tmp_path, lora):
+    """What a registered version's pyfunc loads (``VideoPolicyModel.load_context``) generates the trained model's
+    video through WanPipeline, both experts included."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from sage_grpo.core.export import model_record
+    from sage_grpo.core.registry import VideoPolicyModel
+
+    trained = _trained(lora=lora)
+    export_policy(trained.transformer, tmp_path / "export", model=model_record("tiny-wan22"))
+    policy = VideoPolicyModel()
+    context = SimpleNamespace(
+        artifacts={"export": str(tmp_path / "export")},
+        model_config={"base_model": "tiny-wan22", "kind": "lora" if lora else "full"},
+    )
+    policy.load_context(context)
+    params = {"num_inference_steps": 4, "seed": 0}
+    video = policy.predict(context, pd.DataFrame({"prompt": PROMPTS}), params=params)
+
+    def rendered(pipeline) -> np.ndarray:
+        frames = pipeline(
+            prompt=PROMPTS,
+            num_inference_steps=4,
+            height=trained.height,
+            width=trained.width,
+            num_frames=trained.num_frames,
+            generator=torch.Generator().manual_seed(0),
+            output_type="np",
+        ).frames
+        return (frames * 255).round().clip(0, 255).astype("uint8")
+
+    np.testing.assert_array_equal(video, rendered(trained.pipeline))
+    assert not np.array_equal(video, rendered(tiny_wan22().pipeline))  # the export was applied, not the base alone
