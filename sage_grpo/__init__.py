@@ -2,10 +2,7 @@
 
 One installed name, so nothing collides with another distribution's ``core`` or ``pipeline``: the three floors are
 ``sage_grpo.core`` (foundation), ``sage_grpo.stages`` and ``sage_grpo.pipeline`` (application). An installed wheel
-holds them inside this package; a checkout keeps them as top-level folders beside it, found through ``__path__``.
+holds them inside this package. A checkout keeps them as top-level folders and links them here
+(``sage_grpo/core -> ../core``, and so on), so that the checkout, an editable install and the wheel resolve every
+``sage_grpo.*`` name to the same files, for Python as for static tools, and only those names.
 """
-
-from pathlib import Path
-
-if not (Path(__file__).parent / "core").is_dir():
-    __path__.append(str(Path(__file__).resolve().parent.parent))

@@ -57,9 +57,13 @@ class CheckpointConfig(BaseModel):
     def build(self, output_dir: str | Path | None = None, s3: S3Config | None = None) -> CheckpointStore:
         """The store at ``uri``, or at ``<output_dir>/checkpoints`` when ``uri`` is not set; an S3 store is reached
         with ``s3`` (the run's ``s3`` section; default: boto3's own configuration)."""
-        if self.uri is None and output_dir is None:
+        if self.uri is not None:
+            uri = self.uri
+        elif output_dir is not None:
+            uri = str(Path(output_dir) / "checkpoints")
+        else:
             raise UserError("checkpoint.uri is not set and no output directory was given")
-        uri = self.uri if self.uri is not None else str(Path(output_dir) / "checkpoints")
+        backend: LocalBackend | S3Backend
         if uri.startswith("s3://"):
             bucket, prefix = split_s3(uri)
             # The transfer manager runs max_concurrency requests at once; fewer pooled connections would serialise them.

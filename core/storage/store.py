@@ -527,11 +527,12 @@ class CheckpointStore:
         return manifests
 
     def _delete_step(self, step: int) -> bool:
+        housekeeping_failures: tuple[type[BaseException], ...] = (OSError, *remote_errors())
         try:
             # Manifest first: a half-deleted step is then an uncommitted one, never a broken committed one.
             self.backend.delete_key(f"{step_dir(step)}/{MANIFEST_NAME}")
             self.backend.delete_tree(step_dir(step))
-        except (OSError, *remote_errors()) as error:  # pruning logs these instead of stopping a training run
+        except housekeeping_failures as error:  # pruning logs these instead of stopping a training run
             logger.warning("could not delete %s/%s: %s", self.uri, step_dir(step), first_line(error))
             return False
         logger.info("pruned %s/%s", self.uri, step_dir(step))
