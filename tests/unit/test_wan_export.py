@@ -106,13 +106,13 @@ def test_the_pyfunc_loads_both_experts_of_an_export(tmp_path, lora):
         model_config={"base_model": "tiny-wan22", "kind": "lora" if lora else "full"},
     )
     policy.load_context(context)
-    params = {"num_inference_steps": 4, "seed": 0}
+    params = {"num_inference_steps": 2, "seed": 0}
     video = policy.predict(context, pd.DataFrame({"prompt": PROMPTS}), params=params)
 
     def rendered(pipeline) -> np.ndarray:
         frames = pipeline(
             prompt=PROMPTS,
-            num_inference_steps=4,
+            num_inference_steps=2,
             height=trained.height,
             width=trained.width,
             num_frames=trained.num_frames,
