@@ -65,20 +65,26 @@ def measured_peak(model, inputs, device) -> int:
             train_step(model, inputs)
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() - before
-        return _profiled_cpu_peak(lambda: train_step(model, inputs))
+        return profiled_cpu_peak(lambda: train_step(model, inputs))
     finally:
         for handle in drops:
             handle.remove()
 
 
-def _profiled_cpu_peak(step) -> int:
+def profiled_cpu_peak(step) -> int:
+    """Bytes the CPU allocator held at most beyond what it held before ``step()``: every allocation and free torch's
+    profiler records, in the order of their timestamps."""
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import OpTree
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         step()
+    tree = OpTree(profiler.profiler.kineto_results)
+    sizes = sorted((e.start_time_ns, e.typed[1].alloc_size) for e in tree.dfs() if e.typed[0] == _EventType.Allocation)
     running = peak = 0
-    for event in sorted(profiler.events(), key=lambda e: e.time_range.start):
-        running += event.self_cpu_memory_usage
+    for _, size in sizes:
+        running += size
         peak = max(peak, running)
     return peak
 

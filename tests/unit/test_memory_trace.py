@@ -4,6 +4,7 @@ tensor at any K."""
 import pytest
 import torch
 
+from benchmarks.traced_block_check import profiled_cpu_peak
 from sage_grpo.core import memory_trace
 from sage_grpo.core.models.hunyuan15 import KeyPaddingAttnProcessor, fake_tensor_forward, use_key_padding_attention
 from sage_grpo.core.models.tiny import TINY_HUNYUAN15_TRANSFORMER, tiny_hunyuan15
@@ -53,23 +54,20 @@ def test_the_fake_tensor_forward_is_the_models_forward():
 
 def _measured_peak(model, inputs, *, train: bool) -> int:
     """The most bytes the CPU allocator held at once during one step beyond what it held before, from torch's
-    profiler's memory records (each op's allocations and frees, in time order)."""
-    from torch.profiler import ProfilerActivity, profile
+    profiler's record of every allocation and free (``benchmarks.traced_block_check.profiled_cpu_peak``)."""
 
-    drops = [p.register_post_accumulate_grad_hook(memory_trace._drop_grad) for p in model.parameters()]
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+    def step():
         with torch.set_grad_enabled(train):
             out = fake_tensor_forward(model, **inputs)
             if train:
                 out.float().sum().backward()
-        del out
-    for handle in drops:
-        handle.remove()
-    running = peak = 0
-    for event in sorted(profiler.events(), key=lambda e: e.time_range.start):
-        running += event.self_cpu_memory_usage  # an op's allocations net of its frees; "[memory]": a free between ops
-        peak = max(peak, running)
-    return peak
+
+    drops = [p.register_post_accumulate_grad_hook(memory_trace._drop_grad) for p in model.parameters()]
+    try:
+        return profiled_cpu_peak(step)
+    finally:
+        for handle in drops:
+            handle.remove()
 
 
 def _traced_peak(config, call, dtype) -> int:
@@ -97,9 +95,12 @@ def test_the_traced_peak_of_the_tiny_model_is_the_measured_one(checkpointing):
     assert traced == pytest.approx(measured, rel=0.15)
 
 
-def test_the_traced_peak_of_a_real_width_block_in_bf16_is_the_measured_one():
-    call = memory_trace.TransformerCall(1, (2, 8, 16), train=True, text_tokens=(64, 16, 8))
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_traced_peak_of_a_real_width_block_in_bf16_is_the_measured_one(checkpointing):
+    call = memory_trace.TransformerCall(1, (2, 8, 16), train=True, checkpointing=checkpointing, text_tokens=(64, 16, 8))
     model = _model(REAL_WIDTH_ONE_BLOCK, torch.bfloat16)
+    if checkpointing:
+        model.enable_gradient_checkpointing()
     assert model.config.num_attention_heads * model.config.attention_head_dim == 2048
     measured = _measured_peak(model, _real_inputs(model.config, call, torch.bfloat16), train=True)
     traced = _traced_peak(REAL_WIDTH_ONE_BLOCK, call, torch.bfloat16)
