@@ -1,5 +1,6 @@
 """README.md and docs/ stay true: every command they show is run by a test or by CI, README's config example loads
-and validates, its tour names modules that exist, and every link between the pages resolves.
+and validates, its tour names modules that exist, every link between the pages resolves, and every config key a page
+names is one the schema has, with the default the page gives.
 
 A command is a line of a ```bash, ```sh or ```console block (in a console block, the lines after a ``$`` prompt). A
 command that no test can run (a launch on 8 GPUs, a Slurm submission) belongs in a ```text block, said to be an
@@ -10,11 +11,16 @@ from __future__ import annotations
 
 import re
 import shlex
+import types
+import typing
 from pathlib import Path
 
 import pytest
+import yaml
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
-from sage_grpo.pipeline.config import load_run_config
+from sage_grpo.pipeline.config import MOVED_KEYS, RunConfig, load_run_config
 
 pytestmark = [pytest.mark.unit]
 
@@ -181,3 +187,98 @@ def test_every_repository_path_the_pages_name_exists():
         if token.split("/")[0] in roots and "/" in token and not (ROOT / token).exists()
     ]
     assert not missing, missing
+
+
+# --- Config keys and defaults against the schema ----------------------------------------------------------------
+
+# A dotted name in backticks whose first part is a section (`update.learning_rate`, `rollout.group_size=8`,
+# `rewards.0.weights.VQ`); a file name such as `rollout.py` or `run.lock` is not a key.
+CONFIG_KEY = re.compile(r"`([a-z_][a-z0-9_]*(?:\.[A-Za-z0-9_]+)+)(?:\s*[:=][^`]*)?`")
+FILE_SUFFIXES = {"py", "md", "json", "jsonl", "yaml", "yml", "txt", "csv", "lock", "db", "sh", "pt", "safetensors"}
+# "`key` (default 3", "`key`, default `auto`", "`key` defaults to 0.002", and a table row "| `key` | 1.0 | ...".
+DEFAULT_IN_PROSE = re.compile(r"`([a-z_][a-z0-9_.]+)`,? \(?defaults?(?: to)? `?([^`\s,;)]+)")
+DEFAULT_IN_TABLE = re.compile(r"^\| `([a-z_][a-z0-9_.]+)` \| ([^|\s]+)", re.MULTILINE)
+
+
+def _candidates(annotation) -> list:
+    """The types a value of ``annotation`` can take: ``X | None`` gives X and None, ``list[X]`` gives itself."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [choice for arg in typing.get_args(annotation) for choice in _candidates(arg)]
+    return [annotation]
+
+
+def schema_field(key: str) -> FieldInfo | None:
+    """The schema's field ``key`` names (a list index picks an item; free-form data such as ``model.kwargs.*`` gives
+    None), or KeyError naming the first part the schema lacks."""
+    parts = key.split(".")
+    kinds, field = [RunConfig], None
+    for depth, part in enumerate(parts):
+        below, field = [], None
+        for kind in kinds:
+            origin = typing.get_origin(kind)
+            if kind is typing.Any or kind is dict or origin is dict:
+                return None  # below here the schema takes any key
+            if origin in (list, tuple) and part.isdigit():
+                below += [item for arg in typing.get_args(kind) for item in _candidates(arg)]
+            elif isinstance(kind, type) and issubclass(kind, BaseModel) and part in kind.model_fields:
+                field = kind.model_fields[part]
+                below += _candidates(field.annotation)
+        if not below:
+            raise KeyError(f"{'.'.join(parts[: depth + 1])}")
+        kinds = below
+    return field
+
+
+def named_config_keys() -> list[tuple[str, str]]:
+    sections = set(RunConfig.model_fields)
+    return sorted(
+        {
+            (page.name, key)
+            for page in PAGES
+            for key in CONFIG_KEY.findall(page.read_text())
+            if key.split(".")[0] in sections and key.rsplit(".", 1)[1] not in FILE_SUFFIXES and key not in MOVED_KEYS
+        }
+    )
+
+
+def test_every_config_key_a_page_names_is_in_the_schema():
+    named = named_config_keys()
+    assert len(named) >= 60, named  # the pages name over 80: a broken pattern would find none
+    unknown = []
+    for page, key in named:
+        try:
+            schema_field(key)
+        except KeyError as missing:
+            unknown.append(f"{page}: {key} (no {missing.args[0]})")
+    assert not unknown, unknown
+
+
+def _default(field: FieldInfo):
+    return field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
+
+
+def stated_defaults() -> list[tuple[str, str, str]]:
+    return sorted(
+        {
+            (page.name, key, value)
+            for page in PAGES
+            for pattern in (DEFAULT_IN_PROSE, DEFAULT_IN_TABLE)
+            for key, value in pattern.findall(page.read_text())
+            if key.split(".")[0] in RunConfig.model_fields
+        }
+    )
+
+
+def test_every_default_a_page_states_is_the_schemas():
+    stated = stated_defaults()
+    assert len(stated) >= 5, stated
+    wrong = []
+    for page, key, value in stated:
+        field = schema_field(key)
+        assert field is not None, f"{page}: {key} is free-form, it has no default"
+        actual, said = _default(field), yaml.safe_load(value)
+        if hasattr(actual, "value"):  # an enum member: the YAML spelling is its value
+            actual = actual.value
+        if said != actual:
+            wrong.append(f"{page}: {key} default {said!r}, the schema's is {actual!r}")
+    assert not wrong, wrong
