@@ -64,6 +64,12 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def resumed(config, pristine) -> Checkpointer:
+    """One fresh engine for every load here: a refused step loads nothing, and step 2 loads whole over anything."""
+    return checkpointer(config)
+
+
 @pytest.fixture(params=CASES)
 def damaged(request, config, pristine):
     change, words = CASES[request.param]
@@ -76,14 +82,14 @@ def damaged(request, config, pristine):
         manifest_path(config, 4).write_text(json.dumps(pristine))
 
 
-def test_resume_auto_sets_the_step_aside_and_loads_the_one_before(config, damaged, caplog):
+def test_resume_auto_sets_the_step_aside_and_loads_the_one_before(resumed, damaged, caplog):
     with caplog.at_level(logging.WARNING, logger="sage_grpo"):
-        assert checkpointer(config).load("auto") == 2
+        assert resumed.load("auto") == 2
     [warning] = [record.getMessage() for record in caplog.records if "skipping checkpoint" in record.getMessage()]
     assert "step-4" in warning and damaged in warning
 
 
-def test_the_step_asked_for_by_name_is_refused_in_one_line(config, damaged):
+def test_the_step_asked_for_by_name_is_refused_in_one_line(resumed, damaged):
     with pytest.raises(CheckpointError) as refused:
-        checkpointer(config).load("4")
+        resumed.load("4")
     assert damaged in str(refused.value) and "\n" not in str(refused.value)

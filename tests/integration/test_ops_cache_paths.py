@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 # What torch writes into an op's build.ninja (its include folder) and where DeepSpeed takes the op's sources from,
 # after the command line has started (``--version``: it parses its arguments and stops).
