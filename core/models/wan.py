@@ -3,10 +3,9 @@
 Wan 2.2 A14B denoises with two transformers ("experts"): ``transformer`` (``high``) on the timesteps at or above
 ``boundary_ratio * num_train_timesteps``, ``transformer_2`` (``low``) below, each with its own CFG scale
 (``guidance_scale``, ``guidance_scale_2``). The adapter picks the expert of every step by the pipeline's own rule
-(``WanPipeline.__call__``, diffusers 0.42), and trains them as one module (``WanExperts``), so one DeepSpeed engine
-partitions both under ZeRO-3 and one optimizer step per update applies both. Wan 2.1 and Wan 2.2 TI2V-5B have one
-transformer and train it alone.
-"""
+(``WanPipeline.__call__``, diffusers 0.42), and trains them as one module (``core.models.wan_experts.WanExperts``),
+so one DeepSpeed engine partitions both under ZeRO-3 and one optimizer step per update applies both. Wan 2.1 and
+Wan 2.2 TI2V-5B have one transformer and train it alone."""
 
 from __future__ import annotations
 
@@ -18,9 +17,7 @@ from sage_grpo.core.lazy import lazy_module, no_grad
 from .base import DiffusersAdapter, PromptEmbeddings, frames_to_uint8
 
 if TYPE_CHECKING:
-    from diffusers import WanPipeline, WanTransformer3DModel
-
-torch = lazy_module("torch", globals())
+    from diffusers import WanPipeline
 
 # The experts by the names the config uses, in the order the adapter numbers them (``expert_index``); the pipeline's
 # component of each.
@@ -28,45 +25,7 @@ EXPERTS = ("high", "low")
 PIPELINE_COMPONENTS = {"high": "transformer", "low": "transformer_2"}
 Expert = Literal["high", "low"]
 
-
-class WanExperts(torch.nn.Module):
-    """Wan 2.2 A14B's two transformers as one module: ``high`` (the pipeline's ``transformer``) and ``low``
-    (``transformer_2``). ``forward(expert=..., **inputs)`` runs the named one; under ZeRO-3 that gathers only its
-    parameters, and a backward reaches only its parameters."""
-
-    def __init__(self, high: WanTransformer3DModel, low: WanTransformer3DModel):
-        super().__init__()
-        self.high, self.low = high, low
-        self.num_experts = len(EXPERTS)  # one runs per forward (what core.flops counts)
-        # What the engine reads off a diffusers model: the blocks ZeRO-3 gathers whole, the width its buckets follow.
-        self._no_split_modules = list(high._no_split_modules or [])
-        self.config = high.config
-
-    def forward(self, *, expert: Expert, **inputs):
-        return self.expert(expert)(**inputs)
-
-    def expert(self, name: Expert) -> WanTransformer3DModel:
-        return getattr(self, name)
-
-    def export_components(self) -> dict[str, str]:
-        """The trained experts by their WanPipeline component name -> attribute here (``core.export``): an expert
-        that does not train is the base checkpoint's, which the export does not repeat."""
-        return {
-            PIPELINE_COMPONENTS[name]: name
-            for name in EXPERTS
-            if any(p.requires_grad for p in self.expert(name).parameters())
-        }
-
-    def component(self, name: str) -> WanTransformer3DModel:
-        """The expert a WanPipeline component name (``transformer``, ``transformer_2``) names."""
-        by_component = {component: expert for expert, component in PIPELINE_COMPONENTS.items()}
-        if name not in by_component:
-            raise ValueError(f"{name!r} is not a Wan 2.2 expert's component ({', '.join(by_component)})")
-        return self.expert(by_component[name])
-
-    def enable_gradient_checkpointing(self) -> None:
-        for name in EXPERTS:
-            self.expert(name).enable_gradient_checkpointing()
+torch = lazy_module("torch", globals())
 
 
 class WanAdapter(DiffusersAdapter):
@@ -100,9 +59,12 @@ class WanAdapter(DiffusersAdapter):
         two_experts = _check_experts(pipeline, guidance_scale, guidance_scale_2, train_experts)
         self.expert_names = EXPERTS if two_experts else ("transformer",)
         self.trained_experts = tuple(train_experts or self.expert_names)
-        self.transformer = (
-            WanExperts(pipeline.transformer, pipeline.transformer_2) if two_experts else pipeline.transformer
-        )
+        if two_experts:
+            from .wan_experts import WanExperts
+
+            self.transformer = WanExperts(pipeline.transformer, pipeline.transformer_2)
+        else:
+            self.transformer = pipeline.transformer
         self.guidance_scale = float(guidance_scale)
         self.guidance_scale_2 = float(guidance_scale if guidance_scale_2 is None else guidance_scale_2)
         # Wan ships a UniPC scheduler; only a flow-matching Euler config carries over to our sigma schedule.
