@@ -39,7 +39,8 @@ from sage_grpo.pipeline.config import RunConfig, load_run_config
 
 ON_POLICY_TOLERANCE = 1e-5
 # Where a KL-steered lambda's gradient ratio steers without drowning the policy term; a ratio-steered lambda is
-# judged against its own target, within the factor its controller is held to (README, "The trust region").
+# judged against its own target, within the factor its controller is held to (docs/algorithm.md,
+# "The trust region is measured and steered").
 KL_GRAD_RATIO_BAND = (0.01, 0.3)
 TARGET_FACTOR = 2.0
 TRIAL_ITERATIONS = 3
