@@ -14,7 +14,14 @@ from tests.helpers import free_port, refused_in_one_line
 
 pytestmark = pytest.mark.unit
 
-EXAM = {"eval_set.digest": "d" * 64, "eval_set.size": "20", "eval_set.source": "prompts.jsonl"}
+# One exam, scored one way: the gate compares only versions that share both (core.registry.EvalSet).
+EXAM = {
+    "eval_set.digest": "d" * 64,
+    "eval_set.size": "20",
+    "eval_set.source": "prompts.jsonl",
+    "eval_set.definition": "e" * 64,
+    "eval_set.definition_summary": "brightness",
+}
 
 
 def _registry(capsys, tmp_path: Path, rewards: list[str]) -> str:
