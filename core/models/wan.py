@@ -21,9 +21,9 @@ if TYPE_CHECKING:
 
 # The experts by the names the config uses, in the order the adapter numbers them (``expert_index``); the pipeline's
 # component of each.
-EXPERTS = ("high", "low")
-PIPELINE_COMPONENTS = {"high": "transformer", "low": "transformer_2"}
 Expert = Literal["high", "low"]
+EXPERTS: tuple[Expert, ...] = ("high", "low")
+PIPELINE_COMPONENTS: dict[Expert, str] = {"high": "transformer", "low": "transformer_2"}
 
 torch = lazy_module("torch", globals())
 
@@ -237,9 +237,9 @@ def _check_experts(
             f"guidance_scale_2={guidance_scale_2} with guidance_scale={guidance_scale}: WanPipeline turns CFG on "
             "for both experts by guidance_scale > 1 alone, so the low-noise scale would be ignored"
         )
-    unknown = set(train_experts or ()) - set(EXPERTS)
-    if unknown or (train_experts is not None and not train_experts):
-        raise ValueError(f"train_experts must name some of {list(EXPERTS)}, got {list(train_experts)}")
-    if train_experts is not None and len(set(train_experts)) != len(train_experts):
-        raise ValueError(f"train_experts names an expert twice: {list(train_experts)}")
+    if train_experts is not None:
+        if not train_experts or set(train_experts) - set(EXPERTS):
+            raise ValueError(f"train_experts must name some of {list(EXPERTS)}, got {list(train_experts)}")
+        if len(set(train_experts)) != len(train_experts):
+            raise ValueError(f"train_experts names an expert twice: {list(train_experts)}")
     return two_experts

@@ -10,7 +10,7 @@ import torch
 from .wan import EXPERTS, PIPELINE_COMPONENTS, Expert
 
 if TYPE_CHECKING:
-    from diffusers import WanTransformer3DModel
+    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 
 
 class WanExperts(torch.nn.Module):
@@ -43,7 +43,7 @@ class WanExperts(torch.nn.Module):
 
     def component(self, name: str) -> WanTransformer3DModel:
         """The expert a WanPipeline component name (``transformer``, ``transformer_2``) names."""
-        by_component = {component: expert for expert, component in PIPELINE_COMPONENTS.items()}
+        by_component: dict[str, Expert] = {component: expert for expert, component in PIPELINE_COMPONENTS.items()}
         if name not in by_component:
             raise ValueError(f"{name!r} is not a Wan 2.2 expert's component ({', '.join(by_component)})")
         return self.expert(by_component[name])
