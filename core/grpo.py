@@ -219,17 +219,15 @@ class GradientRatioController(_KLWeight):
     """lambda_KL holding the update-level gradient ratio r = |lambda grad KL| / |grad policy| at ``target``.
 
     For one update r is exactly proportional to lambda, so each measured update gives lambda's gain g = r / lambda.
-    The next lambda is target / (geometric mean of the last ``history`` gains), clipped to [``minimum``, ``maximum``]:
-    averaged over an anchor cycle (``history`` = N), so within a cycle the KL's pull still grows with the distance
-    from the anchor, which is what a moving anchor is for, while the cycle's average strength is held at the target.
+    The next lambda is target / (geometric mean of the last ``history`` gains), clipped to [``minimum``, ``maximum``].
     An update without a measurement (None: a KL reference was just refreshed, so the KL and its gradient are 0 and
     say nothing about strength) leaves lambda as it is; so does a measured ratio of 0 (no KL gradient to scale).
 
     The gain grows with how far the weights may be from the KL reference, which the learning rate sets. Given that
     ``reach`` (``TrustRegionConfig.reach``: the summed learning rates of the updates since the reference was taken),
-    each gain is taken per unit of reach, and lambda is set for the next update's ``next_reach``: an lr warm-up or
-    decay then moves lambda as it goes (as 1 / lr) instead of through the window's lag. Both left at 1, the gain is
-    per update (a constant lr).
+    each gain is taken per unit of reach, and lambda is set for the next update's ``next_reach``: every update's ratio
+    is held at the target wherever it lies in its anchor cycle, and an lr warm-up or decay moves lambda as it goes (as
+    1 / lr) instead of through the window's lag. Both left at 1, the gain is per update (a constant lr).
     """
 
     def __init__(self, *, initial: float, minimum: float, maximum: float, target: float, history: int):

@@ -7,7 +7,6 @@ trust region is, measured on every update, in ``stages/update.py`` (``OutputGrad
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from enum import Enum
 from typing import Any, Literal
@@ -148,19 +147,9 @@ class TrustRegionConfig(BaseModel):
     def reach(self, update: int, learning_rate: Callable[[int], float]) -> float:
         """How far ``update``'s weights may be from its KL reference: the summed learning rates (``learning_rate`` of
         an update counted from 1) of the updates applied since the reference was taken; 0 at the reference itself.
-        The KL's gradient grows with it, so the lambda controller measures its gain per unit of reach."""
+        The KL's gradient grows with it, so the lambda controller measures its gain per unit of reach and sets each
+        update's lambda for that update's reach."""
         return sum(learning_rate(u) for u in range(self.reference_taken(update) + 1, update))
-
-    def cycle_reach(self, update: int, learning_rate: Callable[[int], float]) -> float:
-        """The reach the controller sets ``update``'s lambda for. A moving anchor: the geometric mean of the reaches
-        of the measured updates of ``update``'s anchor cycle, so that the pull still grows with the distance within
-        the cycle while the cycle's mean ratio is held at the target; otherwise the update's own reach."""
-        if not self.anchor_moves:
-            return self.reach(update, learning_rate)
-        start = self.reference_taken(update)
-        reaches = [self.reach(u, learning_rate) for u in range(start + 2, start + self.anchor_interval + 1)]
-        positive = [math.log(r) for r in reaches if r > 0]
-        return math.exp(sum(positive) / len(positive)) if positive else 0.0
 
     def total_kl(self, position_kl, stepwise_kl):
         """position_weight * position KL + stepwise_weight * step-wise KL, over the terms the strategy uses."""

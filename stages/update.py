@@ -583,7 +583,7 @@ class Updater:
         kl = distributed.all_reduce_mean({"kl": minibatch.means().get("kl", 0.0)})["kl"]
         # The KL's gain per unit of reach (summed lr since the reference): lambda follows an lr warm-up or decay.
         lr = self.config.learning_rate_of
-        reach, next_reach = self.trust.reach(self.updates_done, lr), self.trust.cycle_reach(self.updates_done + 1, lr)
+        reach, next_reach = self.trust.reach(self.updates_done, lr), self.trust.reach(self.updates_done + 1, lr)
         self.controller.update(kl, None if ratios is None else ratios[""], reach=reach, next_reach=next_reach)
         if self.lagged is not None:
             self.lagged.commit()

@@ -1,6 +1,7 @@
 """The trust region's reach (how far an update's weights may be from its KL reference, in summed learning rates)
-and lambda set per unit of it: under an lr warm-up the controller holds each anchor cycle's mean gradient ratio at its
-target, where a per-update gain (the controller before the reach) overshoots while the lr rises."""
+and lambda set per unit of it: under an lr warm-up, and wherever an update lies in its anchor cycle, the controller
+holds the gradient ratio at its target, where a per-update gain (the controller before the reach) overshoots while
+the lr rises."""
 
 import math
 
@@ -31,14 +32,12 @@ def test_reach_is_the_summed_lr_since_the_reference(strategy, reaches):
     assert [region.reach(u, constant) for u in range(1, 8)] == pytest.approx(reaches)
 
 
-def test_cycle_reach_is_the_geometric_mean_of_the_cycle_measured_reaches():
+def test_reach_follows_the_lr_schedule():
     region = TrustRegionConfig(strategy="moving", anchor_interval=3)
-    assert [region.cycle_reach(u, constant) for u in (1, 2, 3, 4)] == pytest.approx([math.sqrt(0.5)] * 4)
     warm = UpdateConfig(learning_rate=1.0, lr_warmup_steps=9).learning_rate_of  # update u at lr u / 10
-    # Cycle 2 (updates 4-6): reaches 0.4 (update 5) and 0.4 + 0.5 (update 6).
-    assert region.cycle_reach(5, warm) == pytest.approx(math.sqrt(0.4 * 0.9))
-    assert TrustRegionConfig(strategy="moving", anchor_interval=1).cycle_reach(5, warm) == 0.0  # never measured
-    assert TrustRegionConfig(strategy="fixed").cycle_reach(3, warm) == pytest.approx(0.1 + 0.2)
+    # Cycle 2 (updates 4-6): update 5 is one step (update 4's, lr 0.4) from the anchor, update 6 two (0.4 + 0.5).
+    assert [region.reach(u, warm) for u in (4, 5, 6)] == pytest.approx([0.0, 0.4, 0.9])
+    assert TrustRegionConfig(strategy="fixed").reach(3, warm) == pytest.approx(0.1 + 0.2)
 
 
 def test_learning_rate_of_an_update_is_the_schedulers():
@@ -60,7 +59,7 @@ def _cycle_means(use_reach: bool, warmup: int = 20, updates: int = 30) -> list[f
         if ratio is not None:
             ratios.setdefault(region.reference_taken(update), []).append(ratio)
         if use_reach:
-            controller.update(0.0, ratio, reach=reach, next_reach=region.cycle_reach(update + 1, lr))
+            controller.update(0.0, ratio, reach=reach, next_reach=region.reach(update + 1, lr))
         else:
             controller.update(0.0, ratio)
     # From the second cycle on: the first one's first ratio was measured at kl_initial.
