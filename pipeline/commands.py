@@ -90,10 +90,11 @@ def run_command(
     with retryable_signals():
         with contextlib.redirect_stdout(sys.stderr):
             config = _load_config(config_path, overrides)
-            with _output_folder_held(config):
-                setup_logging(verbosity)
-                from sage_grpo.pipeline.recipe import SageGRPORecipe
+            setup_logging(verbosity)
+            from sage_grpo.pipeline.recipe import SageGRPORecipe, make_run_folders
 
+            make_run_folders(config)  # a folder that cannot be one is refused before the lock writes into it
+            with _output_folder_held(config):
                 recipe = SageGRPORecipe(config)
                 recipe.setup(resume=resume, fresh_start=fresh_start)
                 summary = recipe.train()
@@ -109,7 +110,7 @@ def _output_folder_held(config: RunConfig):
     from sage_grpo.core.output_lock import OutputFolderLock
 
     lock = OutputFolderLock(config.output_dir)
-    if int(os.environ.get("RANK", 0)) == 0:  # before the process group exists: the launcher's variable says it
+    if _is_main():  # before the process group exists: the launcher's variable says it
         lock.acquire(config.run.name)
     try:
         yield

@@ -113,6 +113,15 @@ class Progress:
         return self.last_eval if self.last_eval.get("iteration") == self.iteration else {}
 
 
+def make_run_folders(config: RunConfig) -> None:
+    """The run's output and local checkpoint folders, created and checked writable before anything is written to
+    either: a path that cannot be a folder is one line naming its key."""
+    make_writable_folder(config.output_dir, "run.output_dir")
+    checkpoint_root = config.checkpoint.build(config.output_dir, config.s3).uri
+    if not checkpoint_root.startswith("s3://"):
+        make_writable_folder(checkpoint_root, "checkpoint.uri")
+
+
 class SageGRPORecipe:
     def __init__(self, config: RunConfig):
         self.config = config
@@ -127,10 +136,7 @@ class SageGRPORecipe:
         config = self.config
         distributed.init(config.deepspeed.collective_timeout_minutes)
         distributed.init_sequence_parallel(config.parallel.sequence_parallel_size)
-        make_writable_folder(config.output_dir, "run.output_dir")
-        checkpoint_root = config.checkpoint.build(config.output_dir, config.s3).uri
-        if not checkpoint_root.startswith("s3://"):
-            make_writable_folder(checkpoint_root, "checkpoint.uri")
+        make_run_folders(config)
         if distributed.is_main():
             (config.output_dir / "config.json").write_text(json.dumps(masked_config(config), indent=2))
             remove_abandoned(config.output_dir / "exports", STAGING_FOLDER)  # a full weight copy a kill left
