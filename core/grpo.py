@@ -194,9 +194,9 @@ class AdaptiveKLController(_KLWeight):
         self.value = initial  # warm-up starts here; without warm-up, feedback starts here
         self.measurements: deque[float] = deque(maxlen=history)
 
-    def update(self, measured_kl: float, measured_ratio: float | None = None, **reaches: float) -> float:
+    def update(self, measured_kl: float, measured_ratio: float | None = None, **learning_rates: float) -> float:
         """Record one optimizer step's KL and return the weight to use for the next step (the gradient ratio and the
-        reaches are not this controller's signals)."""
+        learning rates are not this controller's signals)."""
         self.measurements.append(float(measured_kl))
         self.steps += 1
         # Tightened: lambda's range x strength, and a KL target strength times smaller.
@@ -223,11 +223,10 @@ class GradientRatioController(_KLWeight):
     An update without a measurement (None: a KL reference was just refreshed, so the KL and its gradient are 0 and
     say nothing about strength) leaves lambda as it is; so does a measured ratio of 0 (no KL gradient to scale).
 
-    The gain grows with how far the weights may be from the KL reference, which the learning rate sets. Given that
-    ``reach`` (``TrustRegionConfig.reach``: the summed learning rates of the updates since the reference was taken),
-    each gain is taken per unit of reach, and lambda is set for the next update's ``next_reach``: every update's ratio
-    is held at the target wherever it lies in its anchor cycle, and an lr warm-up or decay moves lambda as it goes (as
-    1 / lr) instead of through the window's lag. Both left at 1, the gain is per update (a constant lr).
+    The gain grows with how far the weights may be from the KL reference, which the learning rate sets. Given ``lr``
+    (the learning rate of the step before the measured update), each gain is taken per unit of learning rate, and
+    lambda is set for the next update's ``next_lr``: an lr warm-up or decay moves lambda as 1 / lr at once instead of
+    through the window's lag. At a constant lr both cancel: the gain per update.
     """
 
     def __init__(self, *, initial: float, minimum: float, maximum: float, target: float, history: int):
@@ -241,16 +240,16 @@ class GradientRatioController(_KLWeight):
         self.measurements: deque[float] = deque(maxlen=history)  # log gains
 
     def update(
-        self, measured_kl: float, measured_ratio: float | None = None, *, reach: float = 1.0, next_reach: float = 1.0
+        self, measured_kl: float, measured_ratio: float | None = None, *, lr: float = 1.0, next_lr: float = 1.0
     ) -> float:
-        """Record one optimizer update's gradient ratio (measured at the current lambda and ``reach``) and return the
-        lambda for the next update (at ``next_reach``)."""
+        """Record one optimizer update's gradient ratio (measured at the current lambda, after a step at ``lr``) and
+        return the lambda for the next update (after a step at ``next_lr``)."""
         self.steps += 1
-        if measured_ratio is not None and measured_ratio > 0 and math.isfinite(measured_ratio) and reach > 0:
-            self.measurements.append(math.log(measured_ratio / (self.value * reach)))
-        if not (self.measurements and next_reach > 0):
+        if measured_ratio is not None and measured_ratio > 0 and math.isfinite(measured_ratio) and lr > 0:
+            self.measurements.append(math.log(measured_ratio / (self.value * lr)))
+        if not (self.measurements and next_lr > 0):
             return self.value
-        mean_log_gain = sum(self.measurements) / len(self.measurements) + math.log(next_reach)
+        mean_log_gain = sum(self.measurements) / len(self.measurements) + math.log(next_lr)
         # Tightened: the ratio held, and lambda's range, x strength.
         wanted = self.target * self.strength / math.exp(mean_log_gain)
         self.value = min(max(wanted, self.minimum * self.strength), self.maximum * self.strength)

@@ -7,7 +7,6 @@ trust region is, measured on every update, in ``stages/update.py`` (``OutputGrad
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from enum import Enum
 from typing import Any, Literal
 
@@ -133,23 +132,6 @@ class TrustRegionConfig(BaseModel):
         refreshes at the same updates as an uninterrupted one. A fixed anchor never refreshes.
         """
         return self.anchor_moves and updates_done > 0 and updates_done % self.anchor_interval == 0
-
-    def reference_taken(self, update: int) -> int:
-        """The update after which the KL reference of ``update`` (counted from 1) was taken; 0: the initial weights.
-        The position term's anchor when there is one (its gradient dominates: docs/algorithm.md), else the lagged
-        policy, the weights one update behind."""
-        if self.anchor_moves:
-            return (update - 1) // self.anchor_interval * self.anchor_interval
-        if self.uses_position_kl:
-            return 0
-        return max(update - 2, 0) if self.uses_stepwise_kl else update - 1
-
-    def reach(self, update: int, learning_rate: Callable[[int], float]) -> float:
-        """How far ``update``'s weights may be from its KL reference: the summed learning rates (``learning_rate`` of
-        an update counted from 1) of the updates applied since the reference was taken; 0 at the reference itself.
-        The KL's gradient grows with it, so the lambda controller measures its gain per unit of reach and sets each
-        update's lambda for that update's reach."""
-        return sum(learning_rate(u) for u in range(self.reference_taken(update) + 1, update))
 
     def total_kl(self, position_kl, stepwise_kl):
         """position_weight * position KL + stepwise_weight * step-wise KL, over the terms the strategy uses."""

@@ -581,10 +581,9 @@ class Updater:
             minibatch.ratios.append(ratios)
         # Both signals over all ranks, so every rank's controller (and checkpoint) agrees.
         kl = distributed.all_reduce_mean({"kl": minibatch.means().get("kl", 0.0)})["kl"]
-        # The KL's gain per unit of reach (summed lr since the reference): lambda follows an lr warm-up or decay.
-        lr = self.config.learning_rate_of
-        reach, next_reach = self.trust.reach(self.updates_done, lr), self.trust.reach(self.updates_done + 1, lr)
-        self.controller.update(kl, None if ratios is None else ratios[""], reach=reach, next_reach=next_reach)
+        # The KL's gain per unit of learning rate (the last step's): lambda follows an lr warm-up or decay at once.
+        lr, next_lr = (self.config.learning_rate_of(max(u, 1)) for u in (self.updates_done - 1, self.updates_done))
+        self.controller.update(kl, None if ratios is None else ratios[""], lr=lr, next_lr=next_lr)
         if self.lagged is not None:
             self.lagged.commit()
         if self.anchor is not None and self.trust.refresh_due(self.updates_done):

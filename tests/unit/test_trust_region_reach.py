@@ -1,7 +1,7 @@
-"""The trust region's reach (how far an update's weights may be from its KL reference, in summed learning rates)
-and lambda set per unit of it: under an lr warm-up, and wherever an update lies in its anchor cycle, the controller
-holds the gradient ratio at its target, where a per-update gain (the controller before the reach) overshoots while
-the lr rises."""
+"""lambda per unit of learning rate: the KL's gain grows with the step the optimizer takes, so under an lr warm-up
+the calibrated controller takes each gain per unit of the last step's lr and sets lambda for the next step's. Its
+anchor cycles then stay at the target where a per-update gain (the controller without the lr) overshoots while the lr
+rises; at a constant lr the two are the same controller."""
 
 import math
 
@@ -12,32 +12,7 @@ from sage_grpo.stages.update import UpdateConfig
 
 pytestmark = pytest.mark.unit
 
-
-def constant(update: int) -> float:
-    return 0.5
-
-
-@pytest.mark.parametrize(
-    "strategy,reaches",
-    [
-        ("moving", [0, 0.5, 1.0, 0, 0.5, 1.0, 0]),  # anchor N = 3: refreshed after updates 3 and 6
-        ("dual", [0, 0.5, 1.0, 0, 0.5, 1.0, 0]),  # the anchor's reach: its term dominates
-        ("fixed", [0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0]),  # never refreshed
-        ("step_wise", [0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]),  # the lagged policy, one update behind
-        ("none", [0] * 7),
-    ],
-)
-def test_reach_is_the_summed_lr_since_the_reference(strategy, reaches):
-    region = TrustRegionConfig(strategy=strategy, anchor_interval=3)
-    assert [region.reach(u, constant) for u in range(1, 8)] == pytest.approx(reaches)
-
-
-def test_reach_follows_the_lr_schedule():
-    region = TrustRegionConfig(strategy="moving", anchor_interval=3)
-    warm = UpdateConfig(learning_rate=1.0, lr_warmup_steps=9).learning_rate_of  # update u at lr u / 10
-    # Cycle 2 (updates 4-6): update 5 is one step (update 4's, lr 0.4) from the anchor, update 6 two (0.4 + 0.5).
-    assert [region.reach(u, warm) for u in (4, 5, 6)] == pytest.approx([0.0, 0.4, 0.9])
-    assert TrustRegionConfig(strategy="fixed").reach(3, warm) == pytest.approx(0.1 + 0.2)
+INTERVAL = 5
 
 
 def test_learning_rate_of_an_update_is_the_schedulers():
@@ -45,32 +20,36 @@ def test_learning_rate_of_an_update_is_the_schedulers():
     assert [config.learning_rate_of(u) for u in range(1, 9)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 0.6, 0.4, 0.2, 0])
 
 
-def _cycle_means(use_reach: bool, warmup: int = 20, updates: int = 30) -> list[float]:
-    """A trust region whose KL gradient grows with the reach (ratio = lambda x gain per reach x reach, the gain drawn
-    from a fixed spread) under a warm-up, steered by the calibrated controller: each cycle's geometric-mean ratio."""
-    region = TrustRegionConfig(anchor_interval=5)
+def _cycle_means(per_lr: bool, warmup: int = 20, updates: int = 30) -> tuple[list[float], list[float]]:
+    """A trust region whose KL gradient grows with the displacement from the anchor (ratio = lambda x a gain per unit
+    of summed lr since the refresh, drawn from a fixed spread), steered by the calibrated controller: each cycle's
+    geometric-mean ratio, and lambda after every update."""
+    region = TrustRegionConfig(anchor_interval=INTERVAL)
     lr = UpdateConfig(learning_rate=1e-4, lr_warmup_steps=warmup).learning_rate_of
     controller = region.controller()
     ratios: dict[int, list[float]] = {}
+    lambdas = []
     for update in range(1, updates + 1):
-        reach = region.reach(update, lr)
-        gain_per_reach = 30.0 * (1.2 if update % 2 else 1 / 1.2)
-        ratio = controller.value * gain_per_reach * reach if reach > 0 else None
+        start = (update - 1) // INTERVAL * INTERVAL
+        reach = sum(lr(u) for u in range(start + 1, update))
+        gain = 30.0 * (1.2 if update % 2 else 1 / 1.2)
+        ratio = controller.value * gain * reach if reach > 0 else None
         if ratio is not None:
-            ratios.setdefault(region.reference_taken(update), []).append(ratio)
-        if use_reach:
-            controller.update(0.0, ratio, reach=reach, next_reach=region.reach(update + 1, lr))
-        else:
-            controller.update(0.0, ratio)
-    # From the second cycle on: the first one's first ratio was measured at kl_initial.
-    cycles = sorted(ratios)[1:]
-    return [math.exp(sum(map(math.log, ratios[c])) / len(ratios[c])) for c in cycles]
+            ratios.setdefault(start, []).append(ratio)
+        rates = dict(lr=lr(max(update - 1, 1)), next_lr=lr(update)) if per_lr else {}
+        lambdas.append(controller.update(0.0, ratio, **rates))
+    cycles = sorted(ratios)[1:]  # from the second cycle on: the first one's first ratio was measured at kl_initial
+    return [math.exp(sum(map(math.log, ratios[c])) / len(ratios[c])) for c in cycles], lambdas
 
 
-def test_lambda_per_unit_of_reach_holds_each_cycle_at_the_target_through_a_warm_up():
+def test_lambda_per_unit_of_lr_keeps_the_trust_region_at_its_target_through_a_warm_up():
     target = TrustRegionConfig().kl_ratio_target
-    with_reach = _cycle_means(use_reach=True)
-    assert all(m == pytest.approx(target, rel=0.25) for m in with_reach), with_reach
-    # The gain per update rises with the lr: the same controller without the reach lags behind it.
-    without = _cycle_means(use_reach=False)
-    assert max(without) > 1.5 * target, without
+    per_lr, _ = _cycle_means(per_lr=True)
+    per_update, _ = _cycle_means(per_lr=False)
+    assert max(per_update) > 2 * target, per_update  # lags the rising lr: out of preflight's band
+    assert all(0.5 * target <= m <= 2 * target for m in per_lr), per_lr
+    assert max(per_lr) < 0.7 * max(per_update)
+
+
+def test_at_a_constant_lr_it_is_the_per_update_controller():
+    assert _cycle_means(per_lr=True, warmup=0)[1] == pytest.approx(_cycle_means(per_lr=False, warmup=0)[1], rel=1e-9)
