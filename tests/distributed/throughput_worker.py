@@ -82,7 +82,7 @@ def _checkpointer(updater: Updater, deepspeed_config: str, out: Path, name: str)
         sde=SDE,
         rollout={"group_size": 2, "prompts_per_rank": len(PROMPTS)},
         update=updater.config,
-        trust_region=updater.trust_config,
+        trust_region=updater.trust,
         deepspeed={"config": deepspeed_config},
     )
     return Checkpointer(config, updater.engine, {"updater": updater})

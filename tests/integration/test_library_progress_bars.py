@@ -49,7 +49,15 @@ BAR = "it/s]"  # what every tqdm refresh ends with
 
 
 def test_library_bars_stay_out_of_a_redirected_log(tmp_path):
-    env = {key: value for key, value in os.environ.items() if key not in ("TQDM_DISABLE", "MLFLOW_TRACKING_URI")}
+    # quiet_library_bars sets the libraries' own switches in the environment of a process it runs in: tests run in
+    # this worker before may have left them here.
+    inherited = (
+        "TQDM_DISABLE",
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR",
+        "HF_HUB_DISABLE_PROGRESS_BARS",
+    )
+    env = {key: value for key, value in os.environ.items() if key not in inherited}
     result = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )

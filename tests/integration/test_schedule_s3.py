@@ -12,6 +12,8 @@ from sage_grpo.pipeline import scheduled_run
 from tests.helpers import free_port
 from tests.integration.pipeline_runs import DEMO, environment
 
+DEMO_PROMPTS = DEMO.parent / "demo_prompts.txt"
+
 pytestmark = pytest.mark.integration
 
 
@@ -43,10 +45,14 @@ def test_the_schedule_reaches_the_checkpoint_root_with_the_runs_s3_settings(s3_s
     client = boto3.client("s3", endpoint_url=s3_server)
     client.put_object(Bucket=s3_bucket, Key="scheduled/sage-2026-12-01/schedule/prompt_set", Body=b"2026-12-01.txt\n")
     (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "2026-12-01.txt").write_text(DEMO_PROMPTS.read_text())  # the set the run resumes on
+    exam = tmp_path / "exam.txt"  # the fixed evaluation set a scheduled run needs
+    exam.write_text("a red square\na blue square\n")
     result = _schedule(
         tmp_path,
         f"s3.endpoint_url={s3_server}",
         "tracking.tracking_uri=http://127.0.0.1:9",  # never contacted: a dry run
+        f"eval.source={exam}",
         "--prompts",
         str(tmp_path / "prompts"),
         "--checkpoint-root",
@@ -65,7 +71,11 @@ def test_the_schedule_reaches_the_checkpoint_root_with_the_runs_s3_settings(s3_s
     assert promote[:4] == [sys.executable, "-m", "sage_grpo.pipeline.cli", "promote"]
     # Both steps get the user's overrides (the endpoint and the tracking server among them).
     for command in (train, promote):
-        assert {f"s3.endpoint_url={s3_server}", "tracking.tracking_uri=http://127.0.0.1:9"} <= set(command)
+        assert {
+            f"s3.endpoint_url={s3_server}",
+            "tracking.tracking_uri=http://127.0.0.1:9",
+            f"eval.source={exam}",
+        } <= set(command)
 
 
 def test_an_unreachable_checkpoint_root_is_one_line_and_retryable(aws_credentials, tmp_path):

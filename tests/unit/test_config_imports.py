@@ -47,11 +47,17 @@ print(json.dumps({"heavy": sorted({name.split(".")[0] for name in heavy}), "torc
 """
 
 
+def _environment_without_mlflow_variables() -> dict[str, str]:
+    """The worker environment without ``MLFLOW_*``: a config read where one is set imports MLflow to check its value
+    (``core.tracking_config.check_mlflow_environment``), and earlier tests in the same worker may leave one set."""
+    return {key: value for key, value in worker_environment().items() if not key.startswith("MLFLOW_")}
+
+
 def _run_python(code: str, *args: str) -> str:
     return subprocess.run(
         [sys.executable, "-c", code, *args],
         cwd=REPO,
-        env=worker_environment(),
+        env=_environment_without_mlflow_variables(),
         capture_output=True,
         text=True,
         check=True,
@@ -85,7 +91,12 @@ def test_config_command_prints_json_without_importing_a_heavy_library():
         "runpy.run_module('sage_grpo.pipeline.cli', run_name='__main__', alter_sys=True)"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=worker_environment(), capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=_environment_without_mlflow_variables(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     resolved = json.loads(done.stdout)
