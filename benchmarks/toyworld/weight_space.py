@@ -4,10 +4,11 @@ samples per update, lr 1e-4 and 1e-5, and lr 1e-4 warmed up over 10 updates:
 
     python -m benchmarks.toyworld.weight_space [--iterations 14] [--out benchmarks/toyworld/results/weight_space.json]
 
-Each setting trains one seed for ``--iterations`` iterations (a whole anchor cycle measured, and the warm-up) through ``compare``'s own iteration
-(rollout, ToyWorld reward, group advantages, one update of ``stages.update.Updater`` on a ZeRO-2 engine) with
-``trust_region.measure_weight_space`` on. It prints, per setting, the geometric means over the measured updates of
-both ratios and of their quotient, lambda, and lambda x lr, and writes every update's values as JSON.
+Each setting trains one seed for ``--iterations`` iterations (a whole anchor cycle measured, and the warm-up) through
+``compare``'s own iteration (rollout, ToyWorld reward, group advantages, one update of ``stages.update.Updater`` on a
+ZeRO-2 engine) with ``trust_region.measure_weight_space`` on. It prints, per setting, the geometric means over the
+measured updates of both ratios and of their quotient, lambda, and lambda x lr, and writes every update's values as
+JSON.
 """
 
 from __future__ import annotations
