@@ -17,7 +17,6 @@ second. ``tests/unit/test_memory_trace.py`` checks the extrapolation against a t
 from __future__ import annotations
 
 import contextlib
-import gc
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -122,10 +121,7 @@ def trace_step(mode, module: torch.nn.Module, call: Callable[[], object], *, tra
     drops = [p.register_post_accumulate_grad_hook(_drop_grad) for p in module.parameters() if train and p.requires_grad]
     tally = _Tally()
     try:
-        # Storages are uncounted as they are freed; one kept by a reference cycle would be freed whenever the
-        # collector happened to run, which depends on what the process allocated before: without it the trace is
-        # the same in any process (the extrapolation over depth drifted 4% in a busy test worker).
-        with _collector_paused(), mode, _tallying(tally):
+        with mode, _tallying(tally):
             with contextlib.nullcontext() if train else torch.no_grad():
                 out = call()
                 if train:
@@ -135,18 +131,6 @@ def trace_step(mode, module: torch.nn.Module, call: Callable[[], object], *, tra
         for handle in drops:
             handle.remove()
     return StepTrace(peak=tally.peak, flops=tally.flops)
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    was_enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _drop_grad(param) -> None:

@@ -1,6 +1,10 @@
 """Memory traced on fake tensors against memory measured on real ones, and the attention that makes no [S, S]
 tensor at any K."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -8,6 +12,7 @@ from benchmarks.traced_block_check import profiled_cpu_peak
 from sage_grpo.core import memory_trace
 from sage_grpo.core.models.hunyuan15 import KeyPaddingAttnProcessor, fake_tensor_forward, use_key_padding_attention
 from sage_grpo.core.models.tiny import TINY_HUNYUAN15_TRANSFORMER, tiny_hunyuan15
+from tests.helpers import REPO, worker_environment
 
 pytestmark = pytest.mark.unit
 
@@ -107,13 +112,37 @@ def test_the_traced_peak_of_a_real_width_block_in_bf16_is_the_measured_one(check
     assert traced == pytest.approx(measured, rel=0.15)
 
 
+_DEPTH_PEAKS = """
+import json, torch
+from sage_grpo.core import memory_trace
+from sage_grpo.core.models.tiny import TINY_HUNYUAN15_TRANSFORMER
+from tests.unit.test_memory_trace import _traced_peak
+
+config = TINY_HUNYUAN15_TRANSFORMER | {"num_layers": 6}
+peaks = []
+for checkpointing in (False, True):
+    call = memory_trace.TransformerCall(2, (3, 16, 16), train=True, checkpointing=checkpointing)
+    extrapolated = memory_trace.trace_hunyuanvideo15(config, call, dtype=torch.float32).peak
+    peaks.append((_traced_peak(config, call, torch.float32), extrapolated))
+print(json.dumps(peaks))
+"""
+
+
 def test_depth_is_extrapolated_from_two_and_three_blocks():
-    config = TINY_HUNYUAN15_TRANSFORMER | {"num_layers": 6}
-    for checkpointing in (False, True):
-        call = memory_trace.TransformerCall(2, (3, 16, 16), train=True, checkpointing=checkpointing)
-        direct = _traced_peak(config, call, torch.float32)
-        extrapolated = memory_trace.trace_hunyuanvideo15(config, call, dtype=torch.float32)
-        assert extrapolated.peak == pytest.approx(direct, rel=0.02)
+    # In a fresh process, as `sagegrpo plan` runs: in a suite worker that earlier test files had used, the
+    # extrapolated peak came out 4.3% under the direct one (76872472 vs 80287588, the same numbers twice), from some
+    # process-wide state those files leave that is not yet identified (issue 40's note).
+    done = subprocess.run(
+        [sys.executable, "-c", _DEPTH_PEAKS],
+        cwd=REPO,
+        env=worker_environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for direct, extrapolated in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert extrapolated == pytest.approx(direct, rel=0.02)
 
 
 class SquareWatch(torch.utils._python_dispatch.TorchDispatchMode):
