@@ -232,16 +232,15 @@ def tiny_wan(
     device: str | torch.device = "cpu",
 ) -> WanAdapter:
     """Tiny Wan: latents [16, 3, 8, 8], videos of 9 frames at 64x64 by default."""
-    dtype = torch.float32 if dtype is None else dtype
-    pipeline = tiny_wan_pipeline(seed).to(device=device, dtype=dtype)
-    return WanAdapter(
-        pipeline,
+    return _tiny_wan_adapter(
+        tiny_wan_pipeline(seed),
+        f"tiny-wan-seed{seed}",
+        dtype,
+        device,
         guidance_scale=guidance_scale,
         height=height,
         width=width,
         num_frames=num_frames,
-        max_sequence_length=16,
-        identity=f"tiny-wan-seed{seed}",
     )
 
 
@@ -259,16 +258,21 @@ def tiny_wan22(
     device: str | torch.device = "cpu",
 ) -> WanAdapter:
     """Tiny two-expert Wan 2.2 (the A14B layout, A14B's boundary 0.875 by default): latents as ``tiny_wan``'s."""
-    dtype = torch.float32 if dtype is None else dtype
-    pipeline = tiny_wan_pipeline(seed, boundary_ratio=boundary_ratio).to(device=device, dtype=dtype)
-    return WanAdapter(
-        pipeline,
+    return _tiny_wan_adapter(
+        tiny_wan_pipeline(seed, boundary_ratio=boundary_ratio),
+        f"tiny-wan22-seed{seed}",
+        dtype,
+        device,
         guidance_scale=guidance_scale,
         guidance_scale_2=guidance_scale_2,
         train_experts=train_experts,
         height=height,
         width=width,
         num_frames=num_frames,
-        max_sequence_length=16,
-        identity=f"tiny-wan22-seed{seed}",
     )
+
+
+def _tiny_wan_adapter(pipeline, identity: str, dtype: torch.dtype | None, device, **adapter_options) -> WanAdapter:
+    """``pipeline`` in ``dtype`` (None: float32) on ``device``, adapted with the tiny text encoder's 16 tokens."""
+    pipeline = pipeline.to(device=device, dtype=torch.float32 if dtype is None else dtype)
+    return WanAdapter(pipeline, max_sequence_length=16, identity=identity, **adapter_options)
