@@ -4,6 +4,7 @@ models, GPU-hours per iteration, and a verdict the README and the configs' comme
 import re
 
 import pytest
+import torch
 
 from sage_grpo.pipeline import phase_plan
 from tests.helpers import sagegrpo
@@ -35,4 +36,9 @@ def test_the_frozen_models_are_counted_at_their_published_sizes():
     counts = phase_plan.frozen_parameter_counts(["videoalign"])
     assert 7.0e9 < counts["text encoders"] < 7.4e9  # Qwen2.5-VL-7B's text model and the glyph ByT5
     assert 1.2e9 < counts["VAE"] < 1.3e9
+    # The count is the model's own: the VAE built on the meta device, its parameters summed directly.
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    with torch.device("meta"):
+        assert counts["VAE"] == sum(parameter.numel() for parameter in AutoencoderKLHunyuanVideo15().parameters())
     assert 2.1e9 < counts["reward (VideoAlign)"] < 2.3e9  # Qwen2-VL-2B
