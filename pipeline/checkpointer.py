@@ -39,8 +39,9 @@ import torch
 from sage_grpo.core import distributed
 from sage_grpo.core.errors import UserError
 from sage_grpo.core.files import remove_abandoned
+from sage_grpo.core.s3 import S3Config
 from sage_grpo.core.safe_load import UnsafeCheckpointError, convert_to_universal, load_engine_checkpoint
-from sage_grpo.core.storage import CheckpointError, FileEntry, Manifest, load_torch
+from sage_grpo.core.storage import CheckpointConfig, CheckpointError, FileEntry, Manifest, load_torch
 from sage_grpo.pipeline.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,13 @@ class RNGState:
         random.setstate((version, tuple(internal), gauss))
 
 
+def for_run(config: RunConfig, engine, states: dict[str, Stateful]) -> Checkpointer:
+    """The Checkpointer of ``config``'s run: its ``checkpoint`` section, output folder, ``s3`` section and hash."""
+    return Checkpointer(
+        config.checkpoint, engine, states, output_dir=config.output_dir, s3=config.s3, config_hash=config_hash(config)
+    )
+
+
 def config_hash(config: RunConfig) -> str:
     """What must match for a checkpoint to continue this run: everything but how long it runs, where it logs and
     where it publishes, and how it reaches its stores. Every ``s3`` key is transport (endpoint, region, addressing,
@@ -109,14 +117,26 @@ class Checkpointer:
     need no shared filesystem. A store outage past its retry bound is ``StoreUnavailable`` on every rank (exit 75):
     the staging is kept and the committed steps are intact."""
 
-    def __init__(self, config: RunConfig, engine, states: dict[str, Stateful]):
-        self.store = config.checkpoint.build(config.output_dir, config.s3)
+    def __init__(
+        self,
+        settings: CheckpointConfig,
+        engine,
+        states: dict[str, Stateful],
+        *,
+        output_dir: Path,
+        s3: S3Config,
+        config_hash: str,
+    ):
+        """``settings`` is the run's ``checkpoint`` section; ``output_dir`` holds the staging and restore folders (and
+        the store, unless ``checkpoint.uri`` names one); ``s3`` is how an S3 store is reached; ``config_hash``
+        (:func:`config_hash`) is written into every manifest and must match for a resume to continue the run."""
+        self.store = settings.build(output_dir, s3)
         self.engine = engine
         self.states = states
-        self.every = config.checkpoint.every
-        self.retention = config.checkpoint
-        self.config_hash = config_hash(config)
-        self.work_dir = config.output_dir
+        self.every = settings.every
+        self.retention = settings
+        self.config_hash = config_hash
+        self.work_dir = output_dir
         self.last_step: int | None = None
         self.run_id: str | None = None
 

@@ -25,6 +25,7 @@ import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from sage_grpo.core import distributed
+from sage_grpo.core.distributed import ParallelLayout
 from sage_grpo.core.errors import RETRYABLE_EXIT_CODE, RetryableStop, UserError, out_of_space
 from sage_grpo.core.export import STAGING_FOLDER
 from sage_grpo.core.files import atomic_write_text, make_writable_folder, remove_abandoned
@@ -33,8 +34,8 @@ from sage_grpo.core.models import build_adapter
 from sage_grpo.core.progress import progress_bar
 from sage_grpo.core.secrets import masked_config
 from sage_grpo.core.tracking import Tracker
-from sage_grpo.pipeline import report
-from sage_grpo.pipeline.checkpointer import Checkpointer, RNGState
+from sage_grpo.pipeline import checkpointer, report
+from sage_grpo.pipeline.checkpointer import RNGState
 from sage_grpo.pipeline.config import RunConfig
 from sage_grpo.pipeline.signals import preemption_signals
 from sage_grpo.stages import evaluate as evaluation
@@ -135,7 +136,7 @@ class SageGRPORecipe:
     def setup(self, resume: str | None = None, *, fresh_start: bool = False) -> None:
         config = self.config
         distributed.init(config.deepspeed.collective_timeout_minutes)
-        distributed.init_sequence_parallel(config.parallel.sequence_parallel_size)
+        self.parallel = ParallelLayout.build(config.parallel.sequence_parallel_size)
         make_run_folders(config)
         if distributed.is_main():
             (config.output_dir / "config.json").write_text(json.dumps(masked_config(config), indent=2))
@@ -145,8 +146,8 @@ class SageGRPORecipe:
         self.sampler = PromptSampler(
             len(self.train_prompts),
             config.rollout.prompts_per_rank,
-            distributed.data_parallel_rank(),  # the K ranks of a sequence-parallel group share their prompts
-            distributed.data_parallel_size(),
+            self.parallel.data_parallel_rank,  # the K ranks of a sequence-parallel group share their prompts
+            self.parallel.data_parallel_size,
             config.seed,
         )
         # Rewards before the model: a reward that cannot be built, or needs a column no prompt has, stops the run
@@ -156,7 +157,7 @@ class SageGRPORecipe:
         self.eval_scorer = self._build_scorer(evaluation=True) if self.eval_prompts and config.eval.every else None
         self.eval_judges = self._build_judges()
         self._setup_policy()
-        self.checkpointer = Checkpointer(
+        self.checkpointer = checkpointer.for_run(
             config,
             self.policy.engine,
             {"updater": self.policy.updater, "sampler": self.sampler, "progress": self.progress, "rng": RNGState()},
@@ -197,7 +198,7 @@ class SageGRPORecipe:
         config, module = self.config, self.policy.engine.module
         return {
             "derived.world_size": distributed.world_size(),
-            "derived.effective_batch": config.rollout.samples_per_rank * distributed.data_parallel_size(),
+            "derived.effective_batch": config.rollout.samples_per_rank * self.parallel.data_parallel_size,
             "derived.trainable_parameters": sum(_numel(p) for p in module.parameters() if p.requires_grad),
             "derived.total_parameters": sum(_numel(p) for p in module.parameters()),
             "derived.trained_steps": _trained_step_count(config, self.policy.adapter),
@@ -207,9 +208,9 @@ class SageGRPORecipe:
         """What a person checks before walking away from a run: scale, batch, what trains, how long."""
         config, derived = self.config, self._derived_params()
         start = f"resuming after iteration {self.progress.iteration}" if self.progress.iteration else "from the start"
-        ranks = f"{distributed.data_parallel_size()} data-parallel rank(s)"
-        if distributed.sequence_parallel_size() > 1:  # a group of K ranks shares each sample's tokens
-            ranks += f" (groups of {distributed.sequence_parallel_size()} sequence-parallel ranks)"
+        ranks = f"{self.parallel.data_parallel_size} data-parallel rank(s)"
+        if self.parallel.sequence_parallel_size > 1:  # a group of K ranks shares each sample's tokens
+            ranks += f" (groups of {self.parallel.sequence_parallel_size} sequence-parallel ranks)"
         return (
             f"run {config.run.name}: {ranks} x {config.rollout.samples_per_rank} samples "
             f"({config.rollout.prompts_per_rank} prompts x G={config.rollout.group_size}) = "
@@ -223,6 +224,7 @@ class SageGRPORecipe:
     def setup_policy(self, checkpoint: str | None = None) -> None:
         """Only what evaluating or sampling a (saved) policy needs; nothing is logged to MLflow."""
         distributed.init(self.config.deepspeed.collective_timeout_minutes)
+        self.parallel = ParallelLayout.build()  # eval, sample and export run without sequence parallelism
         self._setup_prompts()
         self.eval_scorer = self._build_scorer(evaluation=True)
         self.eval_judges = self._build_judges()
@@ -230,7 +232,7 @@ class SageGRPORecipe:
         self.tracker = Tracker(self.config.tracking.model_copy(update={"enabled": False}), self.config.output_dir)
         self.checkpoint_name = "initial"
         if checkpoint:
-            step = Checkpointer(self.config, self.policy.engine, {"updater": self.policy.updater}).load(
+            step = checkpointer.for_run(self.config, self.policy.engine, {"updater": self.policy.updater}).load(
                 checkpoint, same_run=False, require=True
             )
             self.checkpoint_name = f"step-{step}"
@@ -249,7 +251,7 @@ class SageGRPORecipe:
         self.eval_metadata = [p.metadata for p in held_out]
 
     def _setup_policy(self) -> None:
-        self.policy = build_policy(self.config)
+        self.policy = build_policy(self.config, self.parallel)
         self.embeddings = CachedEmbeddings(
             EmbeddingCache(self.config.output_dir / "embedding-cache"), self.policy.adapter
         )
@@ -358,7 +360,7 @@ class SageGRPORecipe:
         # Batch i is scored in a worker thread while batch i+1 is generated; the scores feed this iteration's update
         # only, so the overlap keeps the step on-policy. time/score is the scoring the rollout did not hide.
         # Under sequence parallelism the K ranks of a group hold the same videos: the group's first rank scores them.
-        scores_here = distributed.is_sequence_leader()
+        scores_here = self.parallel.is_sequence_leader
         with self.scorer.overlapped(sample_prompts, sample_metadata, fps=policy.adapter.fps) as sink:
             rollout = generate(
                 policy.adapter,
@@ -372,10 +374,10 @@ class SageGRPORecipe:
                 on_batch=sink.submit if scores_here else None,
             )
             timings["time/rollout"], clock = time.perf_counter() - clock, time.perf_counter()
-            scored = distributed.on_sequence_leader(sink.result)
+            scored = self.parallel.on_sequence_leader(sink.result)
         timings["time/score"], clock = time.perf_counter() - clock, time.perf_counter()
 
-        advantages = compute_advantages(scored.total, rollout.group_ids, config.update)
+        advantages = compute_advantages(scored.total, rollout.group_ids, config.update, self.parallel)
         update_metrics = policy.updater.update(rollout, advantages)
         if distributed.is_main():
             self.last_batch = (
@@ -390,7 +392,7 @@ class SageGRPORecipe:
         if mfu is not None:
             timings["mfu"] = mfu
 
-        metrics = reward_metrics(scored) | {f"update/{k}": v for k, v in update_metrics.items()}
+        metrics = reward_metrics(scored, self.parallel) | {f"update/{k}": v for k, v in update_metrics.items()}
         metrics |= distributed.all_reduce_mean(
             {
                 "advantage/abs_mean": float(advantages.values[advantages.valid].abs().mean())
@@ -401,7 +403,7 @@ class SageGRPORecipe:
             }
         )
         seconds = sum(value for key, value in timings.items() if key.startswith("time/"))
-        metrics["samples_per_second"] = rollout.num_samples * distributed.data_parallel_size() / seconds
+        metrics["samples_per_second"] = rollout.num_samples * self.parallel.data_parallel_size / seconds
         return metrics
 
     def _record(self, metrics: dict[str, float]) -> None:
@@ -442,6 +444,7 @@ class SageGRPORecipe:
                 embeddings=self.embeddings(self.eval_prompts),
                 prompt_metadata=self.eval_metadata,
                 judges=self.eval_judges,
+                parallel=self.parallel,
             )
         artifact_dir = f"eval/iteration-{iteration:05d}"
         for video in result.videos:
@@ -540,8 +543,11 @@ class SageGRPORecipe:
             return None
         # A fresh updater to restore into, as `sagegrpo export` has: the live one's histories are another step's.
         config, policy = self.config, self.policy
-        policy.updater = Updater(policy.engine, policy.adapter, config.update, config.trust_region, seed=config.seed)
-        Checkpointer(config, policy.engine, {"updater": policy.updater}).load(str(step), same_run=False, require=True)
+        policy.updater = Updater(
+            policy.engine, policy.adapter, config.update, config.trust_region, seed=config.seed, parallel=self.parallel
+        )
+        restorer = checkpointer.for_run(config, policy.engine, {"updater": policy.updater})
+        restorer.load(str(step), same_run=False, require=True)
         export_dir = self.export(self.config.output_dir / "exports" / f"best-by-judge-step-{step}")
         if distributed.is_main():
             self.tracker.set_tag("hacking_guard.best_step", str(step))
@@ -605,7 +611,10 @@ class SageGRPORecipe:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def build_policy(config: RunConfig) -> Policy:
+def build_policy(config: RunConfig, parallel: ParallelLayout | None = None) -> Policy:
+    """The adapter, its DeepSpeed engine and updater. ``parallel``: the run's layout (plain data parallelism over
+    this process's world when left out)."""
+    parallel = parallel or ParallelLayout.build()
     torch.manual_seed(config.seed)
     kwargs = dict(config.model.kwargs)
     if config.model.pretrained:
@@ -624,8 +633,8 @@ def build_policy(config: RunConfig) -> Policy:
             add_lora(module, config.lora)
         else:
             module.requires_grad_(True)
-    if distributed.sequence_mesh() is not None:  # after LoRA: its layers wrap modules the split hooks sit on
-        adapter.enable_sequence_parallel(distributed.sequence_mesh())
+    if parallel.sequence_parallel_size > 1:  # after LoRA: its layers wrap modules the split hooks sit on
+        adapter.enable_sequence_parallel(parallel)
     engine = build_engine(
         adapter.transformer,
         config.update,
@@ -634,7 +643,8 @@ def build_policy(config: RunConfig) -> Policy:
         bf16=config.deepspeed.use_bf16(),
         zero3_leaf_modules=config.deepspeed.zero3_leaf_modules,
     )
-    return Policy(adapter, engine, Updater(engine, adapter, config.update, config.trust_region, seed=config.seed))
+    updater = Updater(engine, adapter, config.update, config.trust_region, seed=config.seed, parallel=parallel)
+    return Policy(adapter, engine, updater)
 
 
 def _accumulation_steps(config: RunConfig, adapter) -> int:

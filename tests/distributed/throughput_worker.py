@@ -16,7 +16,7 @@ from sage_grpo.core.grpo import group_advantages
 from sage_grpo.core.lora import LoraConfig, add_lora
 from sage_grpo.core.models.tiny import tiny_hunyuan15
 from sage_grpo.core.trust_region import TrustRegionConfig
-from sage_grpo.pipeline.checkpointer import Checkpointer
+from sage_grpo.pipeline.checkpointer import Checkpointer, for_run
 from sage_grpo.pipeline.config import RunConfig
 from sage_grpo.stages.engine import build_engine
 from sage_grpo.stages.rollout import SDEConfig, generate
@@ -85,7 +85,7 @@ def _checkpointer(updater: Updater, deepspeed_config: str, out: Path, name: str)
         trust_region=updater.trust,
         deepspeed={"config": deepspeed_config},
     )
-    return Checkpointer(config, updater.engine, {"updater": updater})
+    return for_run(config, updater.engine, {"updater": updater})
 
 
 def _checkpoint(updater: Updater, deepspeed_config: str, out: Path, name: str) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from sage_grpo.core.errors import UserError
 from sage_grpo.core.storage import CheckpointError
-from sage_grpo.pipeline.checkpointer import Checkpointer, RNGState
+from sage_grpo.pipeline.checkpointer import Checkpointer, RNGState, for_run
 from sage_grpo.pipeline.config import load_run_config
 from sage_grpo.pipeline.recipe import Progress
 
@@ -67,7 +67,7 @@ class Shards:
 def checkpointer(config) -> tuple[Checkpointer, Progress]:
     progress = Progress()
     states = {"progress": progress, "rng": RNGState(), "shards": Shards()}
-    return Checkpointer(config, Engine(), states), progress
+    return for_run(config, Engine(), states), progress
 
 
 @pytest.fixture

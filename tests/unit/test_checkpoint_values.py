@@ -20,7 +20,7 @@ import torch
 from sage_grpo.core.checkpoint_values import ControllerValues, values_problem
 from sage_grpo.core.errors import UserError
 from sage_grpo.core.trust_region import TrustRegionConfig
-from sage_grpo.pipeline.checkpointer import Checkpointer, RNGState, Stateful
+from sage_grpo.pipeline.checkpointer import Checkpointer, RNGState, Stateful, for_run
 from sage_grpo.pipeline.config import RunConfig, load_run_config
 from sage_grpo.pipeline.recipe import Policy, Progress, build_policy
 from sage_grpo.stages.ingest import PromptSampler
@@ -75,7 +75,7 @@ def root(saved_run, tmp_path) -> Path:
 
 def checkpointer(saved_run: Path, policy: Policy, states: dict[str, Stateful], root: Path) -> Checkpointer:
     """``states`` resuming the saved run (its config) from the copy of its root."""
-    return Checkpointer(run_config(saved_run, f"checkpoint.uri={root}"), policy.engine, states)
+    return for_run(run_config(saved_run, f"checkpoint.uri={root}"), policy.engine, states)
 
 
 def edit_step(root: Path, step: int, change) -> None:

@@ -14,7 +14,7 @@ import torch
 from sage_grpo.core import distributed
 from sage_grpo.core.errors import UserError
 from sage_grpo.core.storage import RootClaimedError
-from sage_grpo.pipeline.checkpointer import Checkpointer, RNGState
+from sage_grpo.pipeline.checkpointer import RNGState, for_run
 from sage_grpo.pipeline.config import RunConfig, load_run_config
 from sage_grpo.pipeline.recipe import Progress, build_policy
 from sage_grpo.stages.ingest import PromptSampler
@@ -66,7 +66,7 @@ class Training:
             "progress": self.progress,
             "rng": RNGState(),
         }
-        self.checkpointer = Checkpointer(config, self.policy.engine, self.states)
+        self.checkpointer = for_run(config, self.policy.engine, self.states)
 
     def iteration(self) -> dict[str, float]:
         config = self.config
@@ -220,6 +220,6 @@ def test_a_run_resumes_only_under_its_config_and_a_saved_policy_loads_under_any(
 
     # eval and sample: the policy alone, under another sampler config; the run's other states are not theirs to load.
     evaluator = changed("update.learning_rate=0.1")
-    loader = Checkpointer(evaluator.config, evaluator.policy.engine, {"updater": evaluator.policy.updater})
+    loader = for_run(evaluator.config, evaluator.policy.engine, {"updater": evaluator.policy.updater})
     assert loader.load("auto", same_run=False, require=True) == 2
     assert evaluator.weights() == policy and evaluator.progress.iteration == 0

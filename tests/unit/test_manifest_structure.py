@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sage_grpo.core.storage import CheckpointError
-from sage_grpo.pipeline.checkpointer import Checkpointer, RNGState
+from sage_grpo.pipeline.checkpointer import Checkpointer, RNGState, for_run
 from sage_grpo.pipeline.config import load_run_config
 from sage_grpo.pipeline.recipe import Progress, build_policy
 from tests.helpers import world_of_one
@@ -32,7 +32,7 @@ def process_group():
 def checkpointer(config) -> Checkpointer:
     policy = build_policy(config)
     states = {"updater": policy.updater, "progress": Progress(), "rng": RNGState()}
-    return Checkpointer(config, policy.engine, states)
+    return for_run(config, policy.engine, states)
 
 
 @pytest.fixture(scope="module")
