@@ -70,7 +70,7 @@ def first_line(error: BaseException, *, with_type: bool = False) -> str:
     lines = str(error).strip().splitlines()
     if not lines:
         return type(error).__name__
-    line = mask_uri(lines[0][:300])
+    line = mask_uri(lines[0])[:300]  # masked whole: a cut could leave a credential the mask no longer recognises
     return f"{type(error).__name__}: {line}" if with_type else line
 
 

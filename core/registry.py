@@ -73,14 +73,13 @@ from mlflow.pyfunc import PythonModel
 from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
 import sage_grpo
-from sage_grpo.core.errors import RetryableStop, UserError, first_line
+from sage_grpo.core.errors import RetryableStop, UserError, first_line, is_outage
 from sage_grpo.core.export import LORA_WEIGHT_NAME, read_export_manifest
 from sage_grpo.core.files import file_sha256
 from sage_grpo.core.progress import quiet_library_bars
 from sage_grpo.core.registry_config import DEFAULT_MARGIN, DEFAULT_MIN_EVAL_PROMPTS, DEFAULT_PRIMARY_METRIC
 from sage_grpo.core.secrets import MASK, mask_uri
 from sage_grpo.core.storage import load_tensors
-from sage_grpo.core.tracking import is_outage
 
 CHALLENGER = "challenger"
 CHAMPION = "champion"

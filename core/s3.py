@@ -11,8 +11,6 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-# S3 callers have asked this module whether an error is an outage; the one rule is core.errors.is_outage.
-from sage_grpo.core.errors import is_outage as is_outage
 from sage_grpo.core.secrets import mask_uri
 
 AddressingStyle = Literal["auto", "path", "virtual"]

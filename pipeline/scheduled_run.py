@@ -60,10 +60,9 @@ from typing import Any, Literal
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from sage_grpo.core.errors import StoreUnavailable, UserError
+from sage_grpo.core.errors import StoreUnavailable, UserError, first_line, is_outage
 from sage_grpo.core.s3 import s3_client
 from sage_grpo.core.secrets import mask_uri
-from sage_grpo.core.storage import is_outage
 
 STEPS = ("train", "promote")
 # A step's exit statuses that a restart would only repeat: a user error (2), a run the hacking guard stopped (3,
@@ -201,8 +200,7 @@ class Store:
         try:
             yield
         except (BotoCoreError, ClientError) as error:
-            text = str(error).strip()
-            line = mask_uri(text.splitlines()[0] if text else type(error).__name__)
+            line = first_line(error)
             if is_outage(error):
                 raise StoreUnavailable(f"{self.uri} unreachable while {what}: {line}") from None
             raise UserError(f"{self.uri} refused {what}: {line}") from None

@@ -55,7 +55,7 @@ from starlette.responses import JSONResponse, Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .. import config_loading
-from ..errors import UserError
+from ..errors import UserError, first_line
 from ..secrets import read_secret
 from .base import (
     Columns,
@@ -255,7 +255,7 @@ class Batcher:
         try:
             self.service = self._build_service()
         except Exception as error:  # noqa: BLE001 (unhealthy for good, said in one line; /health reports it)
-            self.problem = f"rebuilding the rewards failed: {_one_line(error)}"
+            self.problem = f"rebuilding the rewards failed: {first_line(error, with_type=True)}"
             logger.error("%s", self.problem)
             return
         self.problem = None
@@ -270,10 +270,6 @@ def _call(service: RewardService, outcome: dict, videos: VideoBatch, prompts: li
         outcome["error"] = error
     except BaseException as error:  # noqa: BLE001 (sys.exit in a reward fails its request, not the scorer)
         outcome["error"] = RuntimeError(f"the reward raised {type(error).__name__}: {error}")
-
-
-def _one_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}".splitlines()[0][:500]
 
 
 class _Refused(Exception):
@@ -359,7 +355,7 @@ class RewardApp:
         except ClientDisconnect:  # it stopped sending (the connection layer answered 408 if its deadline passed)
             return
         except Exception as error:  # noqa: BLE001 (a bug of ours costs one line and a 500, not the server)
-            logger.error("answering a request from %s failed: %s", client, _one_line(error))
+            logger.error("answering a request from %s failed: %s", client, first_line(error, with_type=True))
             response = _json_response(500, {"error": "internal error"})
         await response(scope, receive, send)
 
@@ -432,7 +428,7 @@ class RewardApp:
             logger.error("scoring %d videos: %s", len(request.videos), reason)
             return _json_response(503, {"error": reason})
         except Exception as error:  # noqa: BLE001 (a failing reward: the server's problem, one line, retried)
-            message = _one_line(error)
+            message = first_line(error, with_type=True)
             logger.error("scoring %d videos failed: %s", len(request.videos), message)
             logger.debug("scoring failure", exc_info=error)
             return _json_response(500, {"error": message})

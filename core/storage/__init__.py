@@ -19,7 +19,6 @@ bottom:
 - ``loading.py``: tensors read back without unpickling arbitrary objects.
 """
 
-from sage_grpo.core.errors import is_outage  # importable from here as before; defined once, in core.errors
 from sage_grpo.core.storage.config import CheckpointConfig, MiB
 from sage_grpo.core.storage.loading import load_tensors, load_torch
 from sage_grpo.core.storage.manifest import (
@@ -48,7 +47,6 @@ __all__ = [
     "StorageBackend",
     "StorageError",
     "checked_relpath",
-    "is_outage",
     "load_tensors",
     "load_torch",
     "step_dir",

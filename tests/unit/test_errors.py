@@ -49,3 +49,10 @@ def test_the_first_line_is_cut_and_masked_and_can_name_the_type():
     assert first_line(error, with_type=True) == "RuntimeError: cannot reach http://***@minio:9000/bucket"
     assert first_line(ValueError("y" * 400)) == "y" * 300
     assert first_line(KeyError()) == "KeyError"
+
+
+def test_a_credential_across_the_cut_is_masked_not_halved():
+    """Masked before it is cut: a cut inside the user-info would leave ``http://KEY:SEC`` with no ``@`` to mask."""
+    padding = "x" * (300 - len("http://AKIAKEY:TOP"))
+    line = first_line(RuntimeError(padding + "http://AKIAKEY:TOPSECRET@minio:9000/bucket"))
+    assert line == (padding + "http://***@minio:9000/bucket")[:300]
