@@ -22,7 +22,13 @@ from sage_grpo.core.s3 import S3Config
 from sage_grpo.core.storage import CheckpointConfig
 from sage_grpo.core.tracking_config import TrackingConfig
 from sage_grpo.core.trust_region import TrustRegionConfig
-from sage_grpo.stages.engine import DeepSpeedConfig, check_optimizer_fits, deepspeed_config
+from sage_grpo.stages.engine import (
+    DeepSpeedConfig,
+    check_optimizer_fits,
+    deepspeed_config,
+    partitions_parameters,
+    zero_stage,
+)
 from sage_grpo.stages.evaluate import EvalConfig
 from sage_grpo.stages.ingest import DataConfig
 from sage_grpo.stages.rollout import RolloutConfig, SDEConfig
@@ -103,7 +109,7 @@ class RunConfig(_Section):
             bf16=self.deepspeed.use_bf16(),
         )
         check_optimizer_fits(self.update.optimizer, engine_config)
-        if self.trust_region.measure_weight_space and engine_config.get("zero_optimization", {}).get("stage") == 3:
+        if self.trust_region.measure_weight_space and partitions_parameters(zero_stage(engine_config)):
             raise ValueError(
                 "trust_region.measure_weight_space needs each rank's whole trainable weights; ZeRO-3 partitions them "
                 "(deepspeed.config: zero2)"
