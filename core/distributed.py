@@ -10,7 +10,9 @@ import re
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -40,80 +42,92 @@ class ParallelConfig(BaseModel):
     sequence_parallel_size: int = Field(1, ge=1, le=1024)
 
 
-# The (data, ring, ulysses) device mesh of the run when sequence_parallel_size > 1 (``init_sequence_parallel``).
-_sequence_mesh = None
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the run's ranks share the work, built once (``build``), checked once, and passed to whatever depends on it.
 
+    The world is world/K data-parallel groups of K consecutive ranks (consecutive: on one node, where Ulysses'
+    all-to-alls are fast). The K ranks of a group hold the same samples, each with a K-th of their video tokens
+    (``ParallelConfig``). The default is one process alone; ``build`` reads this process's rank and world.
+    """
 
-def init_sequence_parallel(size: int):
-    """Arrange the ranks as world/size data-parallel groups of ``size`` consecutive ranks (consecutive: on one node,
-    where Ulysses' all-to-alls are fast) and return the device mesh diffusers' context parallelism takes (dims
-    ``data``, ``ring`` of size 1, ``ulysses``), or None for size 1. Every rank calls it, after ``init``."""
-    global _sequence_mesh
-    if size == 1:
-        _sequence_mesh = None
-        return None
-    world = world_size()
-    if world % size:
-        raise UserError(f"parallel.sequence_parallel_size={size} does not divide the world size {world}")
-    from torch.distributed.device_mesh import init_device_mesh
+    world_size: int = 1
+    sequence_parallel_size: int = 1  # K
+    rank: int = 0
+    # The (data, ring, ulysses) device mesh diffusers' context parallelism takes; None at K = 1.
+    mesh: Any = field(default=None, repr=False, compare=False)
 
-    _sequence_mesh = init_device_mesh(
-        device().type, (world // size, 1, size), mesh_dim_names=("data", "ring", "ulysses")
-    )
-    return _sequence_mesh
+    def __post_init__(self):
+        if self.sequence_parallel_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"no such layout: {self}")
+        if self.world_size % self.sequence_parallel_size:
+            raise UserError(
+                f"parallel.sequence_parallel_size={self.sequence_parallel_size} does not divide the world size "
+                f"{self.world_size}"
+            )
 
+    @classmethod
+    def build(cls, sequence_parallel_size: int = 1) -> ParallelLayout:
+        """This process's layout in the world of ``init``, with its device mesh when K > 1 (a ``ring`` dim of size 1
+        beside ``ulysses``, as diffusers asks). Every rank calls it once, after ``init``: the mesh's groups are made by
+        all ranks together."""
+        layout = cls(world_size(), sequence_parallel_size, rank())
+        if sequence_parallel_size == 1:
+            return layout
+        from torch.distributed.device_mesh import init_device_mesh
 
-def sequence_mesh():
-    """The run's device mesh from ``init_sequence_parallel``; None without sequence parallelism."""
-    return _sequence_mesh
+        mesh = init_device_mesh(
+            device().type,
+            (layout.data_parallel_size, 1, sequence_parallel_size),
+            mesh_dim_names=("data", "ring", "ulysses"),
+        )
+        return replace(layout, mesh=mesh)
 
+    @property
+    def data_parallel_size(self) -> int:
+        """Groups holding distinct samples: world size / K."""
+        return self.world_size // self.sequence_parallel_size
 
-def sequence_parallel_size() -> int:
-    """K: the ranks that share one sample's tokens (1 without sequence parallelism)."""
-    return 1 if _sequence_mesh is None else _sequence_mesh["ulysses"].size()
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's group: what shards prompts and seeds."""
+        return self.rank // self.sequence_parallel_size
 
+    @property
+    def sequence_parallel_rank(self) -> int:
+        """This rank's place in its group: which K-th of each sample's tokens it holds."""
+        return self.rank % self.sequence_parallel_size
 
-def data_parallel_rank() -> int:
-    """Which data-parallel group this rank belongs to: what shards prompts and seeds (the K ranks of a group hold
-    the same samples)."""
-    return rank() // sequence_parallel_size()
+    @property
+    def is_sequence_leader(self) -> bool:
+        """True on the first rank of each group (on every rank without sequence parallelism)."""
+        return self.sequence_parallel_rank == 0
 
+    def on_sequence_leader(self, call):
+        """``call()`` on the first rank of this rank's group, its result on every rank of the group: work on a sample
+        done once, not K times (scoring). An exception it raises is raised on every rank of the group (instead of the
+        others waiting in the broadcast until the timeout)."""
+        if self.sequence_parallel_size == 1:
+            return call()
+        if self.mesh is None:
+            raise RuntimeError(f"{self} has no device mesh to broadcast over: ParallelLayout.build makes it")
+        outcome = None
+        if self.is_sequence_leader:
+            try:
+                outcome = ("ok", call())
+            except Exception as error:  # noqa: BLE001 - re-raised below, on every rank of the group
+                outcome = ("error", error)
+        box = [outcome]
+        dist.broadcast_object_list(box, group=self.mesh["ulysses"].get_group(), group_src=0)
+        kind, value = box[0]
+        if kind == "error":
+            raise value
+        return value
 
-def data_parallel_size() -> int:
-    """Distinct samples' groups in the world: world size / K."""
-    return world_size() // sequence_parallel_size()
-
-
-def is_sequence_leader() -> bool:
-    """True on the first rank of each sequence-parallel group (on every rank without sequence parallelism)."""
-    return rank() % sequence_parallel_size() == 0
-
-
-def on_sequence_leader(call):
-    """``call()`` on the first rank of this rank's sequence-parallel group, its result on every rank of the group:
-    work on a sample done once, not K times (scoring). An exception it raises is raised on every rank of the group
-    (instead of the others waiting in the broadcast until the timeout)."""
-    if _sequence_mesh is None:
-        return call()
-    group = _sequence_mesh["ulysses"]
-    outcome = None
-    if is_sequence_leader():
-        try:
-            outcome = ("ok", call())
-        except Exception as error:  # noqa: BLE001 - re-raised below, on every rank of the group
-            outcome = ("error", error)
-    box = [outcome]
-    dist.broadcast_object_list(box, group=group.get_group(), group_src=0)
-    kind, value = box[0]
-    if kind == "error":
-        raise value
-    return value
-
-
-def one_per_sequence_group(values_by_rank: list) -> list:
-    """The entries of a list indexed by global rank that belong to distinct data-parallel groups (the first rank of
-    each): a gather over all ranks holds every group's values K times."""
-    return values_by_rank[:: sequence_parallel_size()]
+    def one_per_sequence_group(self, values_by_rank: list) -> list:
+        """The entries of a list indexed by global rank that belong to distinct groups (the first rank of each): a
+        gather over all ranks holds every group's values K times."""
+        return values_by_rank[:: self.sequence_parallel_size]
 
 
 class LauncherEnvironment(BaseModel):

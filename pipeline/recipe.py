@@ -633,8 +633,7 @@ def build_policy(config: RunConfig, parallel: ParallelLayout | None = None) -> P
             add_lora(module, config.lora)
         else:
             module.requires_grad_(True)
-    if parallel.sequence_parallel_size > 1:  # after LoRA: its layers wrap modules the split hooks sit on
-        adapter.enable_sequence_parallel(parallel)
+    adapter.enable_sequence_parallel(parallel)  # after LoRA: its layers wrap modules the split hooks sit on
     engine = build_engine(
         adapter.transformer,
         config.update,

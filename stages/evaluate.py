@@ -28,6 +28,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from sage_grpo.core import distributed, plotting
+from sage_grpo.core.distributed import ParallelLayout
 from sage_grpo.core.hacking_guard import Divergence, divergence
 from sage_grpo.core.lazy import lazy_module
 from sage_grpo.core.rewards.base import VideoBatch
@@ -107,11 +108,14 @@ def evaluate(
     embeddings=None,
     prompt_metadata: list[dict] | None = None,
     judges: Scorer | None = None,
+    parallel: ParallelLayout | None = None,
 ) -> Evaluation:
     """``prompt_metadata``: each prompt's extra columns, passed to the rewards that take them (one video per prompt).
-    ``judges``: scored beside ``scorer`` into ``judge/<dimension>``, never into the reward total."""
+    ``judges``: scored beside ``scorer`` into ``judge/<dimension>``, never into the reward total. ``parallel``: the
+    run's layout (plain data parallelism over this process's world when left out)."""
+    parallel = parallel or ParallelLayout.build()
     deterministic = SDEConfig(variant="ode", steps=sde_config.steps, shift=sde_config.shift)
-    positions, rounds = _my_batches(len(prompts), batch_size)
+    positions, rounds = _my_batches(len(prompts), batch_size, parallel)
 
     def sample(at: list[int], decode: bool = True):
         return generate(
@@ -149,18 +153,18 @@ def evaluate(
             "videos": {i: rollout.videos[k] for k, i in enumerate(positions) if i < write_videos},
         }
 
-    shards = distributed.gather_to_main_or_raise(lambda: distributed.on_sequence_leader(score_mine))
+    shards = distributed.gather_to_main_or_raise(lambda: parallel.on_sequence_leader(score_mine))
     if not write:  # rank 0 writes, and only rank 0 received the videos
         return Evaluation(metrics={})
-    return _assembled(distributed.one_per_sequence_group(shards), prompts, adapter.fps, out_dir)
+    return _assembled(parallel.one_per_sequence_group(shards), prompts, adapter.fps, out_dir)
 
 
-def _my_batches(count: int, batch_size: int) -> tuple[list[int], int]:
+def _my_batches(count: int, batch_size: int, parallel: ParallelLayout) -> tuple[list[int], int]:
     """This data-parallel rank's prompt positions, every n-th batch of the single-rank batches (n ranks), and the
     number of batches the busiest rank runs."""
     batches = [list(range(start, min(start + batch_size, count))) for start in range(0, count, batch_size)]
-    ranks = distributed.data_parallel_size()
-    mine = batches[distributed.data_parallel_rank() :: ranks]
+    ranks = parallel.data_parallel_size
+    mine = batches[parallel.data_parallel_rank :: ranks]
     return [i for batch in mine for i in batch], math.ceil(len(batches) / ranks)
 
 

@@ -33,6 +33,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from sage_grpo.core import distributed
+from sage_grpo.core.distributed import ParallelLayout
 from sage_grpo.core.errors import UserError, first_line
 from sage_grpo.core.lazy import lazy_module
 from sage_grpo.core.rewards import RewardSpec, RewardUnavailable, Scores, VideoBatch, build_reward, check_scores
@@ -360,8 +361,9 @@ def in_this_threads_state(function):
     return call
 
 
-def reward_metrics(scored: ScoredBatch) -> dict[str, float]:
-    """Mean and std of the total and of every dimension over all ranks' samples; missing scores are left out."""
+def reward_metrics(scored: ScoredBatch, parallel: ParallelLayout | None = None) -> dict[str, float]:
+    """Mean and std of the total and of every dimension over all ranks' samples; missing scores are left out.
+    ``parallel``: the run's layout (plain data parallelism over this process's world when left out)."""
     sums = {}
     for name, values in [("reward", scored.total)] + [(f"reward/{k}", v) for k, v in scored.dimensions.items()]:
         present = [v for v in values if v is not None and not math.isnan(v)]
@@ -370,7 +372,7 @@ def reward_metrics(scored: ScoredBatch) -> dict[str, float]:
         sums[f"{name}|ss"] = sum(v * v for v in present)
     sums["failed|n"] = sum(scored.failed.values())
     means = distributed.all_reduce_mean(sums)  # equal factors on every key: ratios of means are ratios of sums
-    metrics = {"reward/failed_samples": means["failed|n"] * distributed.data_parallel_size()}
+    metrics = {"reward/failed_samples": means["failed|n"] * (parallel or ParallelLayout.build()).data_parallel_size}
     for key in {k.split("|")[0] for k in sums if k != "failed|n"}:
         n = means[f"{key}|n"]
         mean = means[f"{key}|s"] / n if n else float("nan")

@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sage_grpo.core import distributed, flops, sde
 from sage_grpo.core.checkpoint_values import UpdaterValues, values_problem
+from sage_grpo.core.distributed import ParallelLayout
 from sage_grpo.core.errors import UserError
 from sage_grpo.core.grpo import (
     Advantages,
@@ -171,21 +172,24 @@ class UpdateConfig(BaseModel):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def compute_advantages(rewards: list[float | None], group_ids: torch.Tensor, config: UpdateConfig) -> Advantages:
-    """Group advantages of this rank's samples; ``update.global_std`` divides by the std of every rank's scored
-    rewards (gathered), not of this rank's alone, so the scale does not depend on how samples are split."""
-    everyone = _gather_rewards(rewards) if config.global_std else None
+def compute_advantages(
+    rewards: list[float | None], group_ids: torch.Tensor, config: UpdateConfig, parallel: ParallelLayout | None = None
+) -> Advantages:
+    """Group advantages of this rank's samples; ``update.global_std`` divides by the std of every data-parallel
+    group's scored rewards (gathered), not of this rank's alone, so the scale does not depend on how samples are
+    split. ``parallel``: the run's layout (plain data parallelism over this process's world when left out)."""
+    everyone = _gather_rewards(rewards, parallel or ParallelLayout.build()) if config.global_std else None
     return group_advantages(
         rewards, group_ids, global_std=config.global_std, all_rewards=everyone, clip=config.advantage_clip
     )
 
 
-def _gather_rewards(rewards: list[float | None]) -> list[float | None]:
+def _gather_rewards(rewards: list[float | None], parallel: ParallelLayout) -> list[float | None]:
     if distributed.world_size() == 1 or not torch.distributed.is_initialized():
         return list(rewards)
     gathered: list[list] = [None] * distributed.world_size()
     torch.distributed.all_gather_object(gathered, [None if r is None else float(r) for r in rewards])
-    return [r for rank_rewards in distributed.one_per_sequence_group(gathered) for r in rank_rewards]
+    return [r for rank_rewards in parallel.one_per_sequence_group(gathered) for r in rank_rewards]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -365,10 +369,20 @@ class Updater:
     """Holds what persists across updates: the engine, the anchor, the lagged policy, the EMA, the KL controller and
     the counters. Under ZeRO-3 the anchor, the lagged policy and the EMA are each rank's own shards
     (``stages/anchor.py``). ``seed`` is the run's (the top-level ``seed``): each update's training order derives
-    from it."""
+    from it. ``parallel``: the run's layout (plain data parallelism over this process's world when left out)."""
 
-    def __init__(self, engine, adapter, update_config: UpdateConfig, trust_config: TrustRegionConfig, *, seed: int = 0):
+    def __init__(
+        self,
+        engine,
+        adapter,
+        update_config: UpdateConfig,
+        trust_config: TrustRegionConfig,
+        *,
+        seed: int = 0,
+        parallel: ParallelLayout | None = None,
+    ):
         self.engine = engine
+        self.parallel = parallel or ParallelLayout.build()
         self.seed = seed
         self.adapter = adapter
         self.config = update_config
@@ -421,7 +435,7 @@ class Updater:
                 # The K ranks of a sequence-parallel group hold one sample's loss each, and each backward carries the
                 # gradient of its own tokens only; DeepSpeed averages over all ranks, so K times the loss makes the
                 # average over data-parallel groups (K = 1 without sequence parallelism).
-                self.engine.backward(terms.loss * distributed.sequence_parallel_size())
+                self.engine.backward(terms.loss * self.parallel.sequence_parallel_size)
                 self.engine.step()
                 bar.update()
             skipped += self._after_update(minibatch)
@@ -467,7 +481,7 @@ class Updater:
         peak = flops.peak_flops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
         if peak is None:
             return None
-        return flops.mfu(self.iteration_flops(rollout), seconds, peak, devices=distributed.sequence_parallel_size())
+        return flops.mfu(self.iteration_flops(rollout), seconds, peak, devices=self.parallel.sequence_parallel_size)
 
     @contextmanager
     def ema_swapped_in(self):

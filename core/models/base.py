@@ -10,6 +10,7 @@ from unittest import mock
 
 import numpy as np
 
+from sage_grpo.core.distributed import ParallelLayout
 from sage_grpo.core.errors import UserError
 from sage_grpo.core.lazy import lazy_module
 
@@ -181,20 +182,22 @@ class DiffusersAdapter(VideoModelAdapter):
         """Where diffusers' context parallelism splits and gathers the tokens; None: the model's own ``_cp_plan``."""
         return None
 
-    def enable_sequence_parallel(self, mesh) -> None:
-        """Split every transformer forward's video tokens over the ``ulysses`` ranks of ``mesh``
-        (``core.distributed.init_sequence_parallel``): diffusers' context parallelism with Ulysses attention, forward
+    def enable_sequence_parallel(self, parallel: ParallelLayout) -> None:
+        """Split every transformer forward's video tokens over the K ranks of this rank's sequence-parallel group
+        (``parallel``, from ``ParallelLayout.build``): diffusers' context parallelism with Ulysses attention, forward
         and backward. Each rank computes its share of the tokens; the output is gathered, so every rank of the group
-        gets the whole velocity. Call it after LoRA is added (the hooks sit on the modules LoRA may wrap)."""
+        gets the whole velocity. Call it after LoRA is added (the hooks sit on the modules LoRA may wrap). Nothing to
+        do at K = 1."""
         from diffusers import ContextParallelConfig
 
-        size = mesh["ulysses"].size()
+        size = parallel.sequence_parallel_size
+        if size == 1:
+            return
         check_sequence_split(*self.attention_layout(), size)
+        config = ContextParallelConfig(ulysses_degree=size, mesh=parallel.mesh)
         with _cpu_counts_as_a_device():
             for transformer in self.denoisers():
-                transformer.enable_parallelism(
-                    config=ContextParallelConfig(ulysses_degree=size, mesh=mesh), cp_plan=self.context_parallel_plan()
-                )
+                transformer.enable_parallelism(config=config, cp_plan=self.context_parallel_plan())
 
     def denoisers(self) -> list[torch.nn.Module]:
         """The pipeline's transformers (two for two-expert Wan 2.2): what sequence parallelism splits."""

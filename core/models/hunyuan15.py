@@ -17,6 +17,8 @@ from .base import DiffusersAdapter, PromptEmbeddings, frames_to_uint8
 if TYPE_CHECKING:
     from diffusers import HunyuanVideo15Pipeline
 
+    from sage_grpo.core.distributed import ParallelLayout
+
 torch = lazy_module("torch", globals())
 F = lazy_module("torch.nn.functional", globals())
 
@@ -183,9 +185,9 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
             "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
         }
 
-    def enable_sequence_parallel(self, mesh) -> None:
-        super().enable_sequence_parallel(mesh)
-        self.sequence_parallel_size = mesh["ulysses"].size()
+    def enable_sequence_parallel(self, parallel: ParallelLayout) -> None:
+        super().enable_sequence_parallel(parallel)
+        self.sequence_parallel_size = parallel.sequence_parallel_size
 
     @no_grad
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeddings:

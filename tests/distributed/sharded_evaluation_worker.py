@@ -31,10 +31,9 @@ def main():
     parser.add_argument("--sequence-parallel", type=int, default=1)
     args = parser.parse_args()
     distributed.init()
-    mesh = distributed.init_sequence_parallel(args.sequence_parallel)
+    parallel = distributed.ParallelLayout.build(args.sequence_parallel)
     adapter = tiny_hunyuan15(seed=0)
-    if mesh is not None:
-        adapter.enable_sequence_parallel(mesh)
+    adapter.enable_sequence_parallel(parallel)
     adapter.transformer.requires_grad_(True)
     build_engine(adapter.transformer, UpdateConfig(), accumulation_steps=1)  # ZeRO-3 partitions the transformer
     forwards = []
@@ -57,6 +56,7 @@ def main():
         write=distributed.is_main(),
         embeddings=adapter.encode_prompts(PROMPTS),
         prompt_metadata=metadata,
+        parallel=parallel,
     )
     (out / f"forwards_rank{distributed.rank()}.txt").write_text(str(len(forwards)))
     if distributed.is_main():

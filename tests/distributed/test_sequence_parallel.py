@@ -1,8 +1,10 @@
 """Sequence parallelism (Ulysses, diffusers' context parallelism) against none, under real DeepSpeed ZeRO-3 with gloo
-on CPU: K = 2 on 2 processes computes what K = 1 on one process does, for the tiny HunyuanVideo 1.5 and Wan, and a
+on CPU: K = 2 on 2 processes computes what K = 1 on one process does, for the tiny HunyuanVideo 1.5 and Wan, for a
+LoRA-adapted HunyuanVideo 1.5, and with two data-parallel groups (world 4 at K = 2 against world 2 at K = 1); and a
 whole run's metrics, resumed across K, are those of a run at K = 1."""
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,37 +21,73 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(360
 WORKER = Path(__file__).with_name("sequence_parallel_worker.py")
 
 
-@pytest.fixture(scope="module", params=["hunyuan15", "wan"])
+@dataclass(frozen=True)
+class Comparison:
+    """A layout at K = 2 against one with as many data-parallel groups at K = 1, each a (world size, K)."""
+
+    model: str
+    whole: tuple[int, int] = (1, 1)
+    split: tuple[int, int] = (2, 2)
+    lora: bool = False
+
+
+COMPARISONS = {
+    "hunyuan15": Comparison("hunyuan15"),
+    "wan": Comparison("wan"),
+    "hunyuan15-lora": Comparison("hunyuan15", lora=True),
+    "hunyuan15-two-groups": Comparison("hunyuan15", whole=(2, 1), split=(4, 2)),
+}
+
+
+@dataclass(frozen=True)
+class Runs:
+    out: Path
+    comparison: Comparison
+
+    def load(self, kind: str) -> tuple[dict, dict]:
+        """The K = 1 layout's and the K = 2 layout's ``kind`` tensors."""
+        return tuple(load_file(self.out / f"{kind}_{name}.safetensors") for name in self._names())
+
+    def reports(self) -> tuple[dict, dict]:
+        return tuple(json.loads((self.out / f"report_{name}.json").read_text()) for name in self._names())
+
+    def _names(self) -> list[str]:
+        from tests.distributed.sequence_parallel_worker import layout_name  # imports DeepSpeed: not at collection
+
+        comparison = self.comparison
+        return [layout_name(*layout, comparison.lora) for layout in (comparison.whole, comparison.split)]
+
+
+@pytest.fixture(scope="module", params=sorted(COMPARISONS))
 def runs(request, tmp_path_factory):
+    comparison = COMPARISONS[request.param]
     out = tmp_path_factory.mktemp(request.param)
-    for size in (1, 2):
-        torchrun(size, str(WORKER), "--model", request.param, "--out", str(out))
-    return out
-
-
-def _load(out: Path, kind: str) -> tuple[dict, dict]:
-    return load_file(out / f"{kind}_k1.safetensors"), load_file(out / f"{kind}_k2.safetensors")
-
-
-def _report(out: Path, size: int) -> dict:
-    return json.loads((out / f"report_k{size}.json").read_text())
+    flags = ["--model", comparison.model, "--out", str(out)] + (["--lora"] if comparison.lora else [])
+    for world, size in (comparison.whole, comparison.split):
+        torchrun(world, str(WORKER), "--sequence-parallel", str(size), *flags)
+    return Runs(out, comparison)
 
 
 def test_each_rank_holds_its_share_of_the_tokens(runs):
-    single, split = _report(runs, 1), _report(runs, 2)
-    assert single["block_tokens"] == [single["video_tokens"]]
-    assert split["block_tokens"] == [single["video_tokens"] // 2]
+    whole, split = runs.reports()
+    assert whole["block_tokens"] == [whole["video_tokens"]]
+    assert split["block_tokens"] == [whole["video_tokens"] // 2]
 
 
 def test_velocity_latents_and_log_probs_match(runs):
-    single, split = _load(runs, "outputs")
+    from tests.distributed.sequence_parallel_worker import PROMPTS
+
+    single, split = runs.load("outputs")
+    assert single["velocity"].shape[0] == len(PROMPTS)  # every group's samples, gathered
     for name in ("velocity", "latents", "log_probs"):
         torch.testing.assert_close(split[name], single[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_update_gradients_match(runs):
-    single, split = _load(runs, "gradients")
+    single, split = runs.load("gradients")
     assert single.keys() == split.keys() and single
+    if runs.comparison.lora:  # the adapters train, the base weights stay frozen
+        assert all(".lora_" in name for name in single), sorted(single)
     # Float tolerance relative to the largest gradient: the K ranks' partial gradients are summed in another order.
     scale = max(g.abs().max() for g in single.values())
     assert scale > 0
@@ -58,10 +96,11 @@ def test_update_gradients_match(runs):
 
 
 def test_weights_and_metrics_after_two_updates_match(runs):
-    single, split = _load(runs, "weights")
+    single, split = runs.load("weights")
     for name in single:
         torch.testing.assert_close(split[name], single[name], rtol=1e-5, atol=1e-5, msg=name)
-    for before, after in zip(_report(runs, 1)["history"], _report(runs, 2)["history"]):
+    whole_report, split_report = runs.reports()
+    for before, after in zip(whole_report["history"], split_report["history"]):
         assert before.keys() == after.keys()
         for key in before:
             assert after[key] == pytest.approx(before[key], rel=1e-4, abs=1e-7, nan_ok=True), key

@@ -50,11 +50,10 @@ def test_a_sequence_parallel_rank_is_credited_with_1_over_k_of_its_groups_flops(
 
     import torch
 
-    from sage_grpo.core import distributed
+    from sage_grpo.core.distributed import ParallelLayout
     from sage_grpo.stages.update import Updater
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(distributed, "sequence_parallel_size", lambda: k)
-    updater = SimpleNamespace(iteration_flops=lambda rollout: 989e12)
+    updater = SimpleNamespace(iteration_flops=lambda rollout: 989e12, parallel=ParallelLayout(k, k))
     assert Updater.mfu(updater, rollout=None, seconds=1.0) == pytest.approx(1 / k)

@@ -1,0 +1,70 @@
+"""The parallel layout (``core.distributed.ParallelLayout``): checked once where it is built, and its rank arithmetic
+against values worked out by hand. Its collectives run in tests/distributed/test_sequence_parallel.py."""
+
+import dataclasses
+
+import pytest
+
+from sage_grpo.core.distributed import ParallelLayout
+from sage_grpo.core.errors import UserError
+
+
+def _world(world_size: int, sequence_parallel_size: int) -> list[ParallelLayout]:
+    return [ParallelLayout(world_size, sequence_parallel_size, rank) for rank in range(world_size)]
+
+
+def test_world_4_at_k_2_is_two_groups_of_two_consecutive_ranks():
+    world = _world(4, 2)
+    assert [layout.data_parallel_size for layout in world] == [2, 2, 2, 2]
+    assert [layout.data_parallel_rank for layout in world] == [0, 0, 1, 1]
+    assert [layout.sequence_parallel_rank for layout in world] == [0, 1, 0, 1]
+    assert [layout.rank for layout in world if layout.is_sequence_leader] == [0, 2]
+    assert world[3].one_per_sequence_group(["r0", "r1", "r2", "r3"]) == ["r0", "r2"]
+
+
+def test_world_8_at_k_4_and_at_k_1():
+    assert [layout.data_parallel_rank for layout in _world(8, 4)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [layout.rank for layout in _world(8, 4) if layout.is_sequence_leader] == [0, 4]
+    plain = _world(8, 1)
+    assert [layout.data_parallel_rank for layout in plain] == list(range(8))
+    assert all(layout.is_sequence_leader and layout.data_parallel_size == 8 for layout in plain)
+    assert plain[5].one_per_sequence_group(list(range(8))) == list(range(8))
+
+
+def test_the_default_is_one_process_alone_and_calls_on_the_spot():
+    alone = ParallelLayout()
+    assert (alone.world_size, alone.data_parallel_size, alone.sequence_parallel_size, alone.rank) == (1, 1, 1, 0)
+    assert alone.on_sequence_leader(lambda: "scored") == "scored"
+    with pytest.raises(KeyError, match="reward"):
+        alone.on_sequence_leader(lambda: {}["reward"])
+
+
+def test_a_size_that_does_not_divide_the_world_is_one_line_naming_the_key():
+    with pytest.raises(UserError, match=r"^parallel.sequence_parallel_size=3 does not divide the world size 4$"):
+        ParallelLayout(4, 3, 0)
+
+
+@pytest.mark.parametrize(("world_size", "size", "rank"), [(4, 0, 0), (4, 2, 4), (2, 1, -1)])
+def test_an_impossible_layout_is_refused(world_size, size, rank):
+    with pytest.raises(ValueError, match="no such layout"):
+        ParallelLayout(world_size, size, rank)
+
+
+def test_build_reads_the_launchers_world_and_checks_before_making_a_mesh(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    assert ParallelLayout.build() == ParallelLayout(4, 1, 3)
+    # No process group exists here: building a mesh would fail, so the refusal must come first.
+    with pytest.raises(UserError, match="sequence_parallel_size=3 does not divide the world size 4"):
+        ParallelLayout.build(3)
+
+
+def test_a_layout_is_fixed_once_built():
+    layout = ParallelLayout(4, 2, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.sequence_parallel_size = 1
+
+
+def test_a_group_without_its_mesh_says_so_instead_of_broadcasting():
+    with pytest.raises(RuntimeError, match="no device mesh"):
+        ParallelLayout(2, 2, 0).on_sequence_leader(lambda: None)
