@@ -101,6 +101,14 @@ class VideoModelAdapter(ABC):
         """The modules whose weights train (LoRA is added to each): the trained experts, parts of ``transformer``."""
         return [self.transformer]
 
+    def enable_sequence_parallel(self, parallel: ParallelLayout) -> None:
+        """Split each sample's video tokens over the K ranks of this rank's sequence-parallel group; the recipe asks
+        every adapter. Nothing to do at K = 1; a model that cannot split its tokens refuses K > 1."""
+        if parallel.sequence_parallel_size > 1:
+            raise UserError(
+                f"{type(self).__name__} does not split its video tokens: parallel.sequence_parallel_size must be 1"
+            )
+
     @property
     def fps(self) -> int:
         return 24

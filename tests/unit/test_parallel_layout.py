@@ -68,3 +68,12 @@ def test_a_layout_is_fixed_once_built():
 def test_a_group_without_its_mesh_says_so_instead_of_broadcasting():
     with pytest.raises(RuntimeError, match="no device mesh"):
         ParallelLayout(2, 2, 0).on_sequence_leader(lambda: None)
+
+
+def test_an_adapter_that_cannot_split_its_tokens_runs_at_k_1_and_refuses_k_2():
+    from tests.helpers import LinearAdapter
+
+    adapter = LinearAdapter()
+    adapter.enable_sequence_parallel(ParallelLayout(2, 1, 0))  # what the recipe asks every adapter
+    with pytest.raises(UserError, match="^LinearAdapter does not split its video tokens: parallel.sequence"):
+        adapter.enable_sequence_parallel(ParallelLayout(2, 2, 0))
