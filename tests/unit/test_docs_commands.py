@@ -1,6 +1,7 @@
 """README.md and docs/ stay true: every command they show is run by a test or by CI, README's config example loads
-and validates, its tour names modules that exist, every link between the pages resolves, and every config key a page
-names is one the schema has, with the default the page gives.
+and validates, its tour names modules that exist, every link between the pages resolves, every config key a page
+names is one the schema has, with the default and bound the page gives, and every flag a page shows is an option of
+the program it is shown with.
 
 A command is a line of a ```bash, ```sh or ```console block (in a console block, the lines after a ``$`` prompt). A
 command that no test can run (a launch on 8 GPUs, a Slurm submission) belongs in a ```text block, said to be an
@@ -9,6 +10,8 @@ example. A new command in a shell block fails here until RUN_BY names what runs 
 
 from __future__ import annotations
 
+import argparse
+import functools
 import re
 import shlex
 import types
@@ -19,7 +22,9 @@ import pytest
 import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
+from torch.distributed import run as torch_run
 
+from sage_grpo.pipeline.cli import build_parser
 from sage_grpo.pipeline.config import MOVED_KEYS, RunConfig, load_run_config
 
 pytestmark = [pytest.mark.unit]
@@ -195,8 +200,12 @@ def test_every_repository_path_the_pages_name_exists():
 # `rewards.0.weights.VQ`); a file name such as `rollout.py` or `run.lock` is not a key.
 CONFIG_KEY = re.compile(r"`([a-z_][a-z0-9_]*(?:\.[A-Za-z0-9_]+)+)(?:\s*[:=][^`]*)?`")
 FILE_SUFFIXES = {"py", "md", "json", "jsonl", "yaml", "yml", "txt", "csv", "lock", "db", "sh", "pt", "safetensors"}
-# "`key` (default 3", "`key`, default `auto`", "`key` defaults to 0.002", and a table row "| `key` | 1.0 | ...".
-DEFAULT_IN_PROSE = re.compile(r"`([a-z_][a-z0-9_.]+)`,? \(?defaults?(?: to)? `?([^`\s,;)]+)")
+# "`key` (default 3", "`key` updates (default 3", "`key`, default `auto`", "`key` defaults to 0.002", "the default
+# `key: value`", and a table row "| `key` | 1.0 | ...".
+DEFAULT_IN_PROSE = re.compile(r"`([a-z_][a-z0-9_.]+)`(?: [a-z]+)?,? \(?defaults?(?: to)? `?([^`\s,;:)]+)")
+# "`key` (default 3 evaluations, at least 2)" or "(default 2, above 1)": the bound the schema enforces.
+BOUND_IN_PROSE = re.compile(r"`([a-z_][a-z0-9_.]+)` \(default [^,()]+, (at\s+least|above) ([^\s,;)]+)")
+DEFAULT_BEFORE = re.compile(r"[Dd]efault `([a-z_][a-z0-9_.]+)[:=] ?([^`\s]+)`")
 DEFAULT_IN_TABLE = re.compile(r"^\| `([a-z_][a-z0-9_.]+)` \| ([^|\s]+)", re.MULTILINE)
 
 
@@ -262,7 +271,7 @@ def stated_defaults() -> list[tuple[str, str, str]]:
         {
             (page.name, key, value)
             for page in PAGES
-            for pattern in (DEFAULT_IN_PROSE, DEFAULT_IN_TABLE)
+            for pattern in (DEFAULT_IN_PROSE, DEFAULT_BEFORE, DEFAULT_IN_TABLE)
             for key, value in pattern.findall(page.read_text())
             if key.split(".")[0] in RunConfig.model_fields
         }
@@ -281,4 +290,107 @@ def test_every_default_a_page_states_is_the_schemas():
             actual = actual.value
         if said != actual:
             wrong.append(f"{page}: {key} default {said!r}, the schema's is {actual!r}")
+    assert not wrong, wrong
+
+
+# --- CLI flags against the parsers ------------------------------------------------------------------------------
+
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*")
+# What a flag belongs to: `sagegrpo SUBCOMMAND` (or the module a launcher runs), one of our modules run with
+# `python -m`, or another program. The flags after one, up to the next, are its.
+PROGRAM = re.compile(
+    r"\bsagegrpo(?: (?P<command>[a-z][a-z-]*))?"
+    r"|\bsage_grpo\.pipeline\.cli (?P<launched>[a-z][a-z-]*)"
+    r"|\bpython -m (?P<module>[\w.]+)"
+    r"|\b(?P<other>torchrun|deepspeed|mlflow|sbatch|pytest|ruff|mypy)\b"
+)
+# Flags of programs that are not ours and whose parser this test does not build (torchrun's it does): each one a
+# page names, so a flag a page invents is still caught.
+OTHER_FLAGS = {
+    "deepspeed": {"--num_gpus", "--module"},
+    "mlflow": {"--backend-store-uri", "--artifacts-destination"},
+    "sbatch": {"--nodes", "--requeue", "--signal"},
+    "pytest": {"--dist"},
+    "ruff": {"--check"},
+    "mypy": {"--cache-dir"},
+}
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    return {option for action in parser._actions for option in action.option_strings}
+
+
+@functools.cache
+def sagegrpo_options() -> dict[str | None, set[str]]:
+    """Each subcommand's options, and the top level's under None."""
+    parser = build_parser()
+    (subcommands,) = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
+    return {None: _options(parser), **{name: _options(sub) for name, sub in subcommands.choices.items()}}
+
+
+def module_options(module: str) -> set[str]:
+    """The options ``python -m module`` declares: our modules build their parser inside ``main``, so their source."""
+    path = ROOT / module.removeprefix("sage_grpo.").replace(".", "/")
+    source = next(candidate for candidate in (path.with_suffix(".py"), path / "__main__.py") if candidate.exists())
+    return set(re.findall(r"[\"'](--[a-z][a-z0-9_-]*)[\"']", source.read_text()))
+
+
+def program_options(match: re.Match) -> set[str] | None:
+    """The options of the program ``match`` names, or None for a subcommand ``sagegrpo`` does not have."""
+    if match["module"]:
+        return module_options(match["module"])
+    if match["other"] == "torchrun":
+        return _options(torch_run.get_args_parser())
+    if match["other"]:
+        return OTHER_FLAGS[match["other"]]
+    return sagegrpo_options().get(match["command"] or match["launched"])
+
+
+def command_texts(page: Path) -> list[str]:
+    """The page's command lines (a ```text synopsis line that starts with ``[`` or ``--`` continues the one before;
+    comments cut) and its inline code spans."""
+    texts = []
+    for _, body in _blocks(page):
+        for line in body.replace("\\\n", " ").splitlines():
+            line = re.split(r"\s#", line, maxsplit=1)[0]
+            if texts and re.match(r"\s+(\[|--)", line):
+                texts[-1] += line
+            elif line.strip():
+                texts.append(line)
+    return texts + re.findall(r"`([^`\n]+)`", FENCE.sub("", page.read_text()))
+
+
+def test_every_flag_a_page_shows_is_its_programs():
+    """``sagegrpo run --resume auto`` needs ``--resume`` on ``run``; a flag shown alone (``--fresh-start``) needs
+    some program the pages run to have it."""
+    shown = [(page.name, text) for page in PAGES for text in command_texts(page)]
+    known = set().union(*sagegrpo_options().values(), *OTHER_FLAGS.values())
+    wrong, alone = [], []
+    for page, text in shown:
+        invocations = list(PROGRAM.finditer(text))
+        if not invocations:
+            alone += [(page, flag) for flag in FLAG.findall(text)]
+        for match, following in zip(invocations, [*invocations[1:], None]):
+            options = program_options(match)
+            if options is None:
+                wrong.append(f"{page}: sagegrpo has no subcommand {match['command'] or match['launched']!r}")
+                continue
+            known |= options
+            after = text[match.end() : following.start() if following else None]
+            wrong += [f"{page}: {match[0]!r} has no {flag}" for flag in FLAG.findall(after) if flag not in options]
+    assert len(shown) >= 200 and len(alone) >= 10, (len(shown), alone)  # the extraction still finds them
+    wrong += [f"{page}: {flag} is no option of any program the pages run" for page, flag in alone if flag not in known]
+    assert not wrong, wrong
+
+
+def test_every_bound_a_page_states_is_the_schemas():
+    """ "at least 2" is the field's ``ge``, "above 1" its ``gt``: a page cannot promise a check the schema lacks."""
+    stated = sorted({(page.name, *bound) for page in PAGES for bound in BOUND_IN_PROSE.findall(page.read_text())})
+    assert len(stated) >= 3, stated
+    wrong = []
+    for page, key, relation, value in stated:
+        constraints = {type(item).__name__: item for item in schema_field(key).metadata}
+        kind, attribute = ("Gt", "gt") if relation == "above" else ("Ge", "ge")
+        if kind not in constraints or getattr(constraints[kind], attribute) != yaml.safe_load(value):
+            wrong.append(f"{page}: {key} {relation} {value}, the schema's constraints are {list(constraints.values())}")
     assert not wrong, wrong
