@@ -372,6 +372,7 @@ class SageGRPORecipe:
                 batch_size=config.update.micro_batch_size,
                 embeddings=self.embeddings(batch_prompts),
                 on_batch=sink.submit if scores_here else None,
+                record_means=policy.updater.reads_rollout_means,
             )
             timings["time/rollout"], clock = time.perf_counter() - clock, time.perf_counter()
             scored = self.parallel.on_sequence_leader(sink.result)

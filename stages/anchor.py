@@ -103,6 +103,15 @@ class Anchor:
         self._saved, self._staged = self._staged, self._saved
         self.refreshes += 1
 
+    @no_grad
+    def matches_policy(self) -> bool:
+        """Whether the saved values are exactly the policy's current local values (this rank's shards only)."""
+        self._synchronize()
+        return all(
+            torch.equal(saved, _holder(param).data.to(saved.device, saved.dtype))
+            for param, saved in zip(self.params, self._saved)
+        )
+
     def _copy_policy_into(self, buffers: list[torch.Tensor]) -> None:
         for param, buffer in zip(self.params, buffers):
             buffer.copy_(_holder(param).data, non_blocking=True)

@@ -174,6 +174,9 @@ class Rollout:
     batches: list[torch.Tensor]  # the sample indices of each transformer batch, in order
     # [T] long, CPU: the expert (``adapter.expert_names``) that made each step; every scorer runs the same one
     experts: torch.Tensor | None = None
+    # [N, T, C, F, H, W]: each step's Gaussian mean under the weights that rolled out (``record_means``), or None. The
+    # update reads the velocity KL's reference from it when the lagged policy is those weights: no extra forward.
+    means: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -224,11 +227,13 @@ def generate(
     progress: bool = True,
     embeddings: PromptEmbeddings | None = None,
     on_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    record_means: bool = False,
 ) -> Rollout:
     """Roll out ``group_size`` samples for each prompt. ``prompt_ids`` name the groups (default 0..P-1) and must be
     unique across ranks within a step, or two ranks would draw the same samples. ``batch_size`` samples share a
     transformer call; the progress bar shows on rank 0 only. ``on_batch(videos, sample_index)`` receives each batch's
-    decoded uint8 videos and their sample indices as soon as the batch is done (sample n renders prompt n // G)."""
+    decoded uint8 videos and their sample indices as soon as the batch is done (sample n renders prompt n // G).
+    ``record_means`` keeps every step's Gaussian mean (``Rollout.means``, as large as the latents)."""
     if group_size < 1 or batch_size < 1:
         raise ValueError(f"group_size and batch_size must be >= 1, got {group_size} and {batch_size}")
     if on_batch is not None and not decode:
@@ -262,6 +267,7 @@ def generate(
             step_etas,
             sde_config.sde_variant,
             on_step=bar.update,
+            record_means=record_means,
         )
         chains.append(chain)
         if decode:
@@ -288,6 +294,7 @@ def generate(
         videos=videos,
         batches=batches,
         experts=adapter.expert_index(sigmas[:-1]),
+        means=torch.cat([c["means"] for c in chains]) if record_means else None,
     )
 
 
@@ -309,10 +316,13 @@ def check_every_trained_expert_trains(sde_config: SDEConfig, adapter: VideoModel
             )
 
 
-def _denoise(adapter, embeddings, generators, sigmas, step_etas, variant, on_step) -> dict[str, torch.Tensor]:
-    """One batch through every step: latents [B, T+1, ...] and log_probs [B, T]."""
+def _denoise(
+    adapter, embeddings, generators, sigmas, step_etas, variant, on_step, record_means
+) -> dict[str, torch.Tensor]:
+    """One batch through every step: latents [B, T+1, ...], log_probs [B, T] and, with ``record_means``, means
+    [B, T, ...]."""
     x = _per_sample_noise(generators, adapter.latent_shape(), adapter.device)
-    latents, log_probs = [x], []
+    latents, log_probs, means = [x], [], []
     for t, eta in enumerate(step_etas):
         sigma, sigma_next = _step_sigmas(sigmas, t, len(x), x.device)
         velocity = adapter.predict_velocity(x, sigma, embeddings)
@@ -324,8 +334,11 @@ def _denoise(adapter, embeddings, generators, sigmas, step_etas, variant, on_ste
         x = gaussian.mean + gaussian.std * noise
         latents.append(x)
         log_probs.append(gaussian_log_prob(x, gaussian.mean, gaussian.std))
+        if record_means:
+            means.append(gaussian.mean)
         on_step()
-    return {"latents": torch.stack(latents, dim=1), "log_probs": torch.stack(log_probs, dim=1)}
+    recorded = {"latents": torch.stack(latents, dim=1), "log_probs": torch.stack(log_probs, dim=1)}
+    return recorded | ({"means": torch.stack(means, dim=1)} if record_means else {})
 
 
 def _per_sample_noise(generators, shape, device) -> torch.Tensor:

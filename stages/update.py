@@ -403,6 +403,7 @@ class Updater:
         self.skipped_updates = 0
         self.skipped_in_a_row = 0  # not checkpointed: a resumed run gets max_skipped_updates afresh
         self.weight_gradients: WeightGradients | None = None  # the update being measured in weight space
+        self.lagged_forward_share = 1.0  # of the last rollout's updates, those that ran the lagged policy's forwards
 
     # -- the recipe -----------------------------------------------------------------------------------------------
 
@@ -420,15 +421,17 @@ class Updater:
         bar = progress_bar(
             total=sum(map(len, minibatches)), desc="update", unit="step", leave=False, dynamic_ncols=True
         )
+        lagged_is_rollout, applied, lagged_forwards = self._lagged_is_rollout_policy(rollout), 0, 0
         for micro_steps in minibatches:
             clear_gradient_partitions(self.engine)
             if self.lagged is not None:
                 self.lagged.stage()  # this update's starting weights: the lagged policy once the update is applied
+            lagged_forwards += not lagged_is_rollout
             minibatch = _Totals(kl_weight=self.controller.value)
             measured = self._strength_measurable()
             in_weight_space = measured and self.trust.measure_weight_space
             self.weight_gradients = WeightGradients(self.engine.module) if in_weight_space else None
-            for terms in self.losses(rollout, advantages, weights, micro_steps):
+            for terms in self.losses(rollout, advantages, weights, micro_steps, lagged_from_rollout=lagged_is_rollout):
                 minibatch.add(terms)
                 if measured:
                     minibatch.gradients.add(terms, self.trust)
@@ -438,11 +441,33 @@ class Updater:
                 self.engine.backward(terms.loss * self.parallel.sequence_parallel_size)
                 self.engine.step()
                 bar.update()
-            skipped += self._after_update(minibatch)
+            if self._after_update(minibatch):
+                skipped += 1
+            else:  # the lagged policy is now this update's starting weights: the rollout's before any applied update
+                lagged_is_rollout = self.lagged is not None and applied == 0 and rollout.means is not None
+                applied += 1
             self.weight_gradients = None
             totals.merge(minibatch)
         bar.close()
+        self.lagged_forward_share = lagged_forwards / len(minibatches)
         return self._metrics(totals, weights, rollout, skipped)
+
+    @property
+    def reads_rollout_means(self) -> bool:
+        """Whether the next rollout should record its means (``generate(record_means=True)``): some update on it may
+        have the rollout policy as its lagged policy. With several updates per rollout the second one always does (the
+        first one's starting weights are the rollout's); with one, only a run's first update (the lagged copy is the
+        initial weights), which is not worth keeping the means for on every rollout."""
+        return self.lagged is not None and (self.config.updates_per_rollout > 1 or self.updates_done == 0)
+
+    def _lagged_is_rollout_policy(self, rollout) -> bool:
+        """Whether the lagged policy is the weights that generated ``rollout`` (the current ones: the update trains on
+        its own policy's rollout) on every rank, and the rollout recorded its means to read the reference from.
+        Compared value for value (each rank its own shards), so a restored or stale lagged copy is never mistaken for
+        it. Collective when the rollout has means (the same on every rank: ``reads_rollout_means``)."""
+        if self.lagged is None or rollout.means is None:
+            return False
+        return not distributed.any_rank(not self.lagged.matches_policy())
 
     def losses(
         self,
@@ -450,15 +475,19 @@ class Updater:
         advantages: Advantages,
         weights: torch.Tensor | None = None,
         transitions: list[Transition] | None = None,
+        *,
+        lagged_from_rollout: bool = False,
     ) -> Iterator[LossTerms]:
         """Each micro-step's loss in training order, its policy forward computed lazily (after the previous micro-step
-        was applied). ``transitions`` (default: the whole rollout) must belong to one optimizer update."""
+        was applied). ``transitions`` (default: the whole rollout) must belong to one optimizer update;
+        ``lagged_from_rollout``: the lagged policy is the rollout's, its means are read from ``rollout.means``."""
         weights = self._timestep_weights(rollout) if weights is None else weights
         device = rollout.latents.device
         # Once per update: group_advantages builds CPU tensors, the policy's ratio lives on the model's device.
         advantages = Advantages(advantages.values.to(device), advantages.valid.to(device))
         transitions = self._transitions(rollout) if transitions is None else transitions
-        for transition, references in zip(transitions, self._reference_means(rollout, transitions)):
+        references_of = self._reference_means(rollout, transitions, lagged_from_rollout=lagged_from_rollout)
+        for transition, references in zip(transitions, references_of):
             if self.weight_gradients is not None:  # the same micro-step again, differentiated in weight space
                 terms = self._micro_step(
                     rollout, advantages, weights, transition, references, self.weight_gradients.module
@@ -468,9 +497,10 @@ class Updater:
 
     def iteration_flops(self, rollout) -> float:
         """Model FLOPs of one iteration on this rank (``core.flops``): the rollout's forwards, then per trained
-        transition the policy's forward and backward (3 forwards) and the anchor and lagged forwards."""
+        transition the policy's forward and backward (3 forwards) and the anchor and lagged forwards (the latter on the
+        last rollout's updates that did not read the rollout's means)."""
         forward = model_forward_flops(self.engine.module, self.adapter)
-        references = (self.anchor is not None) + (self.lagged is not None)
+        references = (self.anchor is not None) + (self.lagged is not None) * self.lagged_forward_share
         generated = rollout.num_samples * len(rollout.step_etas)
         trained = rollout.num_samples * int(rollout.trained_steps.sum())
         return forward * (generated + trained * (3 + references))
@@ -527,14 +557,20 @@ class Updater:
     def _timestep_weights(self, rollout) -> torch.Tensor:
         return timestep_weights(rollout, equalize=self.config.equalizer)
 
-    def _reference_means(self, rollout, transitions: list[Transition]) -> list[dict[str, torch.Tensor]]:
+    def _reference_means(
+        self, rollout, transitions: list[Transition], *, lagged_from_rollout: bool = False
+    ) -> list[dict[str, torch.Tensor]]:
         """The anchor's and the lagged policy's means for each of one update's micro-steps, each forward batched as
         its micro-step. Neither moves until the update is applied, so each is swapped in once per update instead of
         twice per micro-step: under ZeRO-3 a swap releases every gathered parameter (the persistent small ones
-        included), which the next forward gathers again."""
+        included), which the next forward gathers again. When the lagged policy is the rollout's
+        (``lagged_from_rollout``), its means are the ones the rollout recorded: no forward."""
         means = [{} for _ in transitions]
+        if lagged_from_rollout:
+            for slot, transition in zip(means, transitions):
+                slot["lagged_mean"] = recorded_means(rollout, transition)
         for name, copy in (("anchor_mean", self.anchor), ("lagged_mean", self.lagged)):
-            if copy is None:
+            if copy is None or name in means[0]:
                 continue
             with torch.no_grad(), copy.swapped_in():
                 for slot, transition in zip(means, transitions):
@@ -707,6 +743,13 @@ def clear_gradient_partitions(engine) -> None:
         for group in optimizer.fp32_partitioned_groups_flat:
             if group.grad is not None:
                 group.grad.zero_()
+
+
+def recorded_means(rollout, transition: Transition) -> torch.Tensor:
+    """The means ``rollout`` recorded for ``transition``'s samples at its step(s), on the latents' device."""
+    device = rollout.means.device
+    samples, step = transition.samples.to(device), transition.step
+    return rollout.means[samples, step.to(device) if torch.is_tensor(step) else step]
 
 
 def _log_distance(ratio: float) -> float:
