@@ -62,6 +62,9 @@ class HackingGuardConfig(BaseModel):
     min_reward_rise: float = Field(0.0, ge=0)  # eval/reward's fitted change over the window must exceed this
     min_judge_drop: float = Field(0.0, ge=0)  # and a judge's fitted change must be below minus this
     tighten_factor: float = Field(2.0, gt=1)
+    # The judge dimensions watched (eval/judge/<name>); empty: every one. A dimension where lower is better (a count
+    # of failures, such as the ToyWorld gold judge's "static") falls as a run improves: leave it out.
+    judges: list[str] = Field(default_factory=list)
 
 
 class EvalConfig(BaseModel):
@@ -192,7 +195,7 @@ def hacking_divergence(history: list[dict[str, float]], guard: HackingGuardConfi
     the guard last fired (so one episode acts once)."""
     since = max((i for i, metrics in enumerate(history) if GUARD_FIRED in metrics), default=-1) + 1
     evaluations = [metrics for metrics in history[since:] if "eval/reward" in metrics]
-    judges = sorted({key for metrics in evaluations for key in metrics if key.startswith("eval/" + JUDGE_PREFIX)})
+    judges = sorted({key for metrics in evaluations for key in metrics if _watched(key, guard)})
     return divergence(
         [metrics["eval/reward"] for metrics in evaluations],
         {name: [metrics.get(name, math.nan) for metrics in evaluations] for name in judges},
@@ -200,6 +203,11 @@ def hacking_divergence(history: list[dict[str, float]], guard: HackingGuardConfi
         min_reward_rise=guard.min_reward_rise,
         min_judge_drop=guard.min_judge_drop,
     )
+
+
+def _watched(key: str, guard: HackingGuardConfig) -> bool:
+    prefix = "eval/" + JUDGE_PREFIX
+    return key.startswith(prefix) and (not guard.judges or key.removeprefix(prefix) in guard.judges)
 
 
 def best_step(store, metric: str) -> int | None:

@@ -72,6 +72,17 @@ def test_the_history_reading_starts_after_the_guard_last_fired():
     assert hacking_divergence([*history, *rising_reward_falling_judge[1:]], guard) is not None
 
 
+def test_it_watches_only_the_judge_dimensions_named():
+    """ToyWorld's gold judge also counts static squares: that count falls as a run learns to move them, which is
+    not a judge falling."""
+    improving = [
+        {"iteration": i, "eval/reward": 0.1 * i, "eval/judge/gold": 0.1 * i, "eval/judge/static": 1.0 - 0.1 * i}
+        for i in range(1, 4)
+    ]
+    assert hacking_divergence(improving, HackingGuardConfig()).judge == "eval/judge/static"
+    assert hacking_divergence(improving, HackingGuardConfig(judges=["gold"])) is None
+
+
 def test_a_tightened_gradient_ratio_controller_holds_factor_times_the_ratio():
     def controller():
         return GradientRatioController(initial=0.1, minimum=1e-4, maximum=100.0, target=0.003, history=1)
