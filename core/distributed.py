@@ -124,6 +124,22 @@ class ParallelLayout:
             raise value
         return value
 
+    @property
+    def sequence_share(self) -> slice:
+        """This rank's share of work its group's K ranks would otherwise repeat (decoding and scoring the same
+        videos): every K-th item from its place in the group."""
+        return slice(self.sequence_parallel_rank, None, self.sequence_parallel_size)
+
+    def across_sequence_group(self, call) -> list:
+        """``call()`` on every rank of this rank's group, the list of the group's results (in group order) on each of
+        them: the K ranks share what each did on its ``sequence_share``. An exception any of them raises is raised
+        on all."""
+        if self.sequence_parallel_size == 1:
+            return [call()]
+        if self.mesh is None:
+            raise RuntimeError(f"{self} has no device mesh to gather over: ParallelLayout.build makes it")
+        return gather_or_raise(call, group=self.mesh["ulysses"].get_group())
+
     def one_per_sequence_group(self, values_by_rank: list) -> list:
         """The entries of a list indexed by global rank that belong to distinct groups (the first rank of each): a
         gather over all ranks holds every group's values K times."""
@@ -342,17 +358,17 @@ def on_main(call):
     return value
 
 
-def gather_or_raise(call) -> list:
+def gather_or_raise(call, group=None) -> list:
     """``call()`` on every rank, the list of all ranks' results on every rank; if any rank raised, every rank raises
-    the first such error (by rank)."""
+    the first such error (by rank). ``group``: a process group to gather over instead of the world."""
     try:
         outcome = ("ok", call())
     except Exception as error:  # noqa: BLE001 - re-raised below, on every rank
         outcome = ("error", error)
     outcomes = [outcome]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        outcomes = [None] * dist.get_world_size()
-        dist.all_gather_object(outcomes, outcome)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        outcomes = [None] * dist.get_world_size(group)
+        dist.all_gather_object(outcomes, outcome, group=group)
     for kind, value in outcomes:
         if kind == "error":
             raise value

@@ -359,8 +359,8 @@ class SageGRPORecipe:
         sample_metadata = self.prompt_set.metadata_for(in_groups(prompt_ids, group_size))
         # Batch i is scored in a worker thread while batch i+1 is generated; the scores feed this iteration's update
         # only, so the overlap keeps the step on-policy. time/score is the scoring the rollout did not hide.
-        # Under sequence parallelism the K ranks of a group hold the same videos: the group's first rank scores them.
-        scores_here = self.parallel.is_sequence_leader
+        # Under sequence parallelism the K ranks of a group hold the same samples: each decodes and scores every K-th
+        # batch, and the group shares the scores.
         with self.scorer.overlapped(sample_prompts, sample_metadata, fps=policy.adapter.fps) as sink:
             rollout = generate(
                 policy.adapter,
@@ -371,21 +371,23 @@ class SageGRPORecipe:
                 prompt_ids=prompt_ids,
                 batch_size=config.update.micro_batch_size,
                 embeddings=self.embeddings(batch_prompts),
-                on_batch=sink.submit if scores_here else None,
+                on_batch=sink.submit,
                 record_means=policy.updater.reads_rollout_means,
+                decode_batches=self.parallel.sequence_share,
             )
             timings["time/rollout"], clock = time.perf_counter() - clock, time.perf_counter()
-            scored = self.parallel.on_sequence_leader(sink.result)
+            scored = sink.result(across=self.parallel.across_sequence_group)
         timings["time/score"], clock = time.perf_counter() - clock, time.perf_counter()
 
         advantages = compute_advantages(scored.total, rollout.group_ids, config.update, self.parallel)
         update_metrics = policy.updater.update(rollout, advantages)
-        if distributed.is_main():
+        if distributed.is_main():  # the samples this rank decoded (every K-th batch under sequence parallelism)
+            shown = rollout.decoded_samples
             self.last_batch = (
                 rollout.videos,
-                rollout.group_ids.tolist(),
-                list(scored.total),
-                advantages.values.tolist(),
+                rollout.group_ids[shown].tolist(),
+                [scored.total[i] for i in shown],
+                advantages.values[shown].tolist(),
             )
         timings["time/update"] = time.perf_counter() - clock
         self.progress.iteration += 1

@@ -7,10 +7,11 @@ videos (MP4 where an encoder is installed, else GIF) -> return the mean of every
 its first, middle and last frames. :func:`log_samples` sends those to MLflow as an image series (a step slider in
 the UI) and a table that grows by one block of rows per evaluation.
 
-Sharded over data-parallel ranks: each (prompt, seed) is sampled and scored once, on one rank (its group's first rank
-under sequence parallelism), in whole batches of the single-rank order, so every video and score is bit for bit a
-single-rank evaluation's; the scores and key frames are gathered to rank 0 alone (``write`` is true there), which
-computes the metrics and writes the videos. Every rank runs as many batches as the busiest one (under ZeRO-3 a
+Sharded over data-parallel ranks: each (prompt, seed) is sampled once, by one data-parallel group, in whole batches of
+the single-rank order, so every video and score is bit for bit a single-rank evaluation's (under sequence
+parallelism the group's K ranks sample every batch together, then each decodes and scores every K-th one); the
+scores and key frames are gathered to rank 0 alone (``write`` is true there), which computes the metrics and writes
+the videos. Every rank runs as many batches as the busiest one (under ZeRO-3 a
 forward is a collective, so all ranks must take part): a rank with fewer samples its first batch again and discards
 it.
 """
@@ -132,6 +133,7 @@ def evaluate(
             decode=decode,
             progress=False,
             embeddings=None if embeddings is None else embeddings.select(at),
+            decode_batches=parallel.sequence_share,
         )
 
     rollout = sample(positions) if positions else None
@@ -139,27 +141,30 @@ def evaluate(
         sample(list(range(min(batch_size, len(prompts)))), decode=False)
 
     def score_mine() -> dict:
-        if rollout is None:
+        decoded = [] if rollout is None else rollout.decoded_samples
+        if not decoded:
             return {"positions": []}
-        metadata = None if prompt_metadata is None else [prompt_metadata[i] for i in positions]
+        mine = [positions[k] for k in decoded]
+        metadata = None if prompt_metadata is None else [prompt_metadata[i] for i in mine]
         videos = VideoBatch.from_tensor(rollout.videos, adapter.fps)
-        scored = scorer.score(videos, rollout.sample_prompts, metadata)
-        judged = judges.score(videos, rollout.sample_prompts, metadata).dimensions if judges else {}
+        prompts_here = [prompts[i] for i in mine]
+        scored = scorer.score(videos, prompts_here, metadata)
+        judged = judges.score(videos, prompts_here, metadata).dimensions if judges else {}
         return {
-            "positions": positions,
+            "positions": mine,
             "scores": {
                 **scored.dimensions,
                 **{JUDGE_PREFIX + name: values for name, values in judged.items()},
                 "reward": list(scored.total),
             },
             "frames": key_frames(rollout.videos),
-            "videos": {i: rollout.videos[k] for k, i in enumerate(positions) if i < write_videos},
+            "videos": {i: rollout.videos[k] for k, i in enumerate(mine) if i < write_videos},
         }
 
-    shards = distributed.gather_to_main_or_raise(lambda: parallel.on_sequence_leader(score_mine))
+    shards = distributed.gather_to_main_or_raise(score_mine)
     if not write:  # rank 0 writes, and only rank 0 received the videos
         return Evaluation(metrics={})
-    return _assembled(parallel.one_per_sequence_group(shards), prompts, adapter.fps, out_dir)
+    return _assembled(shards, prompts, adapter.fps, out_dir)
 
 
 def _my_batches(count: int, batch_size: int, parallel: ParallelLayout) -> tuple[list[int], int]:

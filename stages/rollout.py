@@ -170,17 +170,24 @@ class Rollout:
     member_index: torch.Tensor  # [N] long: 0..G-1 within the group
     latents: torch.Tensor  # [N, T+1, C, F, H, W]: initial noise, then the latents after every step
     log_probs: torch.Tensor  # [N, T]: log-density of each recorded transition; 0 on deterministic steps
-    videos: torch.Tensor | None  # [N, F, H, W, 3] uint8, or None when not decoded
+    videos: torch.Tensor | None  # [n, F, H, W, 3] uint8 of ``decoded_samples`` (all N by default), or None
     batches: list[torch.Tensor]  # the sample indices of each transformer batch, in order
     # [T] long, CPU: the expert (``adapter.expert_names``) that made each step; every scorer runs the same one
     experts: torch.Tensor | None = None
     # [N, T, C, F, H, W]: each step's Gaussian mean under the weights that rolled out (``record_means``), or None. The
     # update reads the velocity KL's reference from it when the lagged policy is those weights: no extra forward.
     means: torch.Tensor | None = None
+    decoded_batches: slice | None = None  # the ``batches`` whose videos ``videos`` holds; None: all of them
 
     @property
     def num_samples(self) -> int:
         return self.latents.shape[0]
+
+    @property
+    def decoded_samples(self) -> list[int]:
+        """The samples whose videos ``videos`` holds, in its order."""
+        batches = self.batches if self.decoded_batches is None else self.batches[self.decoded_batches]
+        return [int(i) for batch in batches for i in batch]
 
     @property
     def group_size(self) -> int:
@@ -228,12 +235,15 @@ def generate(
     embeddings: PromptEmbeddings | None = None,
     on_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     record_means: bool = False,
+    decode_batches: slice = slice(None),
 ) -> Rollout:
     """Roll out ``group_size`` samples for each prompt. ``prompt_ids`` name the groups (default 0..P-1) and must be
     unique across ranks within a step, or two ranks would draw the same samples. ``batch_size`` samples share a
     transformer call; the progress bar shows on rank 0 only. ``on_batch(videos, sample_index)`` receives each batch's
     decoded uint8 videos and their sample indices as soon as the batch is done (sample n renders prompt n // G).
-    ``record_means`` keeps every step's Gaussian mean (``Rollout.means``, as large as the latents)."""
+    ``record_means`` keeps every step's Gaussian mean (``Rollout.means``, as large as the latents).
+    ``decode_batches`` picks the batches to decode (all by default; a sequence-parallel rank takes its share):
+    ``videos`` then holds those batches' samples, ``Rollout.decoded_samples``."""
     if group_size < 1 or batch_size < 1:
         raise ValueError(f"group_size and batch_size must be >= 1, got {group_size} and {batch_size}")
     if on_batch is not None and not decode:
@@ -258,7 +268,8 @@ def generate(
 
     bar = progress_bar(enabled=progress, total=len(batches) * sde_config.steps, desc="rollout", leave=False)
     chains, decoded = [], []
-    for batch in batches:
+    to_decode = set(range(len(batches))[decode_batches]) if decode else set()
+    for number, batch in enumerate(batches):
         chain = _denoise(
             adapter,
             embeddings.select(prompt_index[batch]),
@@ -270,14 +281,14 @@ def generate(
             record_means=record_means,
         )
         chains.append(chain)
-        if decode:
+        if number in to_decode:
             decoded.append(adapter.decode(chain["latents"][:, -1]))
             if on_batch is not None:
                 on_batch(decoded[-1], batch)
     bar.close()
 
     latents = torch.cat([c["latents"] for c in chains])
-    videos = torch.cat(decoded) if decode else None
+    videos = (torch.cat(decoded) if decoded else torch.empty(0, dtype=torch.uint8)) if decode else None
     return Rollout(
         prompts=list(prompts),
         embeddings=embeddings,
@@ -295,6 +306,7 @@ def generate(
         batches=batches,
         experts=adapter.expert_index(sigmas[:-1]),
         means=torch.cat([c["means"] for c in chains]) if record_means else None,
+        decoded_batches=decode_batches,
     )
 
 

@@ -332,15 +332,29 @@ class OverlappedScoring:
         columns = {name: [values[i] for i in index] for name, values in self.columns.items()}
         self._jobs.append(self._executor.submit(self._score, batch, prompts, columns, index))
 
-    def result(self) -> ScoredBatch:
-        """Waits for every submitted batch; a reward's error (a wrong output, too many failures) is raised here."""
-        if len(self._submitted) != len(self.prompts):
-            raise ValueError(f"{len(self._submitted)} of {len(self.prompts)} samples were submitted for scoring")
+    def result(self, across=None) -> ScoredBatch:
+        """Waits for every submitted batch; a reward's error (a wrong output, too many failures) is raised here.
+
+        ``across``: where each of several ranks scored a share of the samples (the K ranks of a sequence-parallel
+        group, ``ParallelLayout.across_sequence_group``), the collective that hands every rank all of their shares:
+        each assembles the same ScoredBatch, as one rank scoring every sample would."""
+        shares = [self._scored_here()] if across is None else across(self._scored_here)
+        submitted = sorted(i for share in shares for i in share["submitted"])
+        if submitted != list(range(len(self.prompts))):
+            raise ValueError(f"{len(submitted)} of {len(self.prompts)} samples were submitted for scoring")
         attempts: dict[str, list] = {spec.name: [] for spec, _ in self.scorer.rewards}
-        for job in self._jobs:
-            for name, pairs in job.result().items():
+        for share in shares:
+            for name, pairs in share["attempts"].items():
                 attempts[name].extend(pairs)
         return self.scorer._assemble(attempts, len(self.prompts))
+
+    def _scored_here(self) -> dict:
+        """The samples submitted here and every reward's attempts on them, once all are scored."""
+        attempts: dict[str, list] = {}
+        for job in self._jobs:
+            for name, pairs in job.result().items():
+                attempts.setdefault(name, []).extend(pairs)
+        return {"submitted": sorted(self._submitted), "attempts": attempts}
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

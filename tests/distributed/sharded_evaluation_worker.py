@@ -1,5 +1,7 @@
 """One evaluation of a tiny HunyuanVideo 1.5 partitioned by DeepSpeed ZeRO-3 (so every forward is a collective), run
-by torchrun; rank 0 writes what a single-rank evaluation must equal: metrics, per-prompt scores, key frames, videos."""
+by torchrun; rank 0 writes what a single-rank evaluation must equal: metrics, per-prompt scores, key frames, videos.
+Then one training rollout, scored while it is generated as a run scores it; every rank writes the rollout's rewards
+and how many videos it decoded in each phase (the K ranks of a sequence-parallel group split the decoding)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from sage_grpo.core.models.tiny import tiny_hunyuan15
 from sage_grpo.core.rewards.registry import RewardSpec
 from sage_grpo.stages import evaluate as evaluation
 from sage_grpo.stages.engine import build_engine
-from sage_grpo.stages.rollout import SDEConfig
+from sage_grpo.stages.rollout import SDEConfig, generate, in_groups
 from sage_grpo.stages.score import Scorer
 from sage_grpo.stages.update import UpdateConfig
 
@@ -36,8 +38,10 @@ def main():
     adapter.enable_sequence_parallel(parallel)
     adapter.transformer.requires_grad_(True)
     build_engine(adapter.transformer, UpdateConfig(), accumulation_steps=1)  # ZeRO-3 partitions the transformer
-    forwards = []
+    forwards, decoded = [], []
     adapter.transformer.register_forward_hook(lambda module, inputs, output: forwards.append(len(inputs)))
+    decode = adapter.decode
+    adapter.decode = lambda latents: decoded.append(len(latents)) or decode(latents)
     scorer = Scorer([RewardSpec(name="brightness")])
     scorer.setup(torch.device("cpu"))
     metadata = [{"index": i} for i in range(len(PROMPTS))]
@@ -59,6 +63,10 @@ def main():
         parallel=parallel,
     )
     (out / f"forwards_rank{distributed.rank()}.txt").write_text(str(len(forwards)))
+    decoded_in_evaluation, decoded[:] = sum(decoded), []
+    rewards = score_a_rollout(adapter, scorer, parallel)
+    report = {"rewards": rewards, "decoded": {"evaluation": decoded_in_evaluation, "rollout": sum(decoded)}}
+    (out / f"rollout_rank{distributed.rank()}.json").write_text(json.dumps(report))
     if distributed.is_main():
         np.save(out / "frames.npy", result.frames)
         report = {
@@ -68,6 +76,26 @@ def main():
             "videos": {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in result.videos},
         }
         (out / "report.json").write_text(json.dumps(report))
+
+
+def score_a_rollout(adapter, scorer: Scorer, parallel: distributed.ParallelLayout) -> list[float | None]:
+    """Two prompts x 2 samples in batches of one, each batch decoded and scored as soon as it is generated, as
+    ``SageGRPORecipe.train_step`` does: its share of the batches on each rank of a sequence-parallel group, whose
+    scores the group shares."""
+    prompts = PROMPTS[:2]
+    with scorer.overlapped(in_groups(prompts, 2), fps=adapter.fps) as sink:
+        generate(
+            adapter,
+            prompts,
+            2,
+            SDEConfig(steps=3),
+            seed=11,
+            batch_size=1,
+            progress=False,
+            on_batch=sink.submit,
+            decode_batches=parallel.sequence_share,
+        )
+        return sink.result(across=parallel.across_sequence_group).total
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Evaluation sharded over data-parallel ranks (each prompt sampled and scored once, gathered on rank 0) gives what
 a single rank gives under real ZeRO-3 with gloo: bit for bit on 2 data-parallel ranks, and within float32 rounding on
-2 ranks of one sequence-parallel group."""
+2 ranks of one sequence-parallel group. The ranks of a sequence-parallel group split the decoding and scoring of the
+videos they sample together, in evaluation and in a training rollout, and share the scores."""
 
 import json
 from pathlib import Path
@@ -70,3 +71,26 @@ def test_each_batch_is_sampled_on_one_data_parallel_rank(evaluations):
     assert forwards("world2_k1", 0) == forwards("world2_k1", 1) == 2 * 3
     # One sequence-parallel group: both ranks sample every batch, each holding half of its tokens.
     assert forwards("world2_k2", 0) == forwards("world2_k2", 1) == 3 * 3
+
+
+def _rollout(evaluations: Path, layout: str, rank: int) -> dict:
+    return json.loads((evaluations / layout / f"rollout_rank{rank}.json").read_text())
+
+
+def test_each_rank_of_a_sequence_parallel_group_decodes_its_share(evaluations):
+    decoded = lambda layout, rank: _rollout(evaluations, layout, rank)["decoded"]  # noqa: E731
+    assert decoded("world1_k1", 0) == {"evaluation": 5, "rollout": 4}
+    # Evaluation batches [0, 1], [2, 3], [4], sampled by both ranks of the group: rank 0 decodes the first and the
+    # third, rank 1 the second (each decoded all 5 when the group's first rank scored them). The rollout's four
+    # batches of one sample: two each.
+    assert decoded("world2_k2", 0) == {"evaluation": 3, "rollout": 2}
+    assert decoded("world2_k2", 1) == {"evaluation": 2, "rollout": 2}
+
+
+def test_a_sequence_parallel_groups_rollout_rewards_are_one_ranks(evaluations):
+    single = _rollout(evaluations, "world1_k1", 0)["rewards"]
+    first, second = (_rollout(evaluations, "world2_k2", rank)["rewards"] for rank in (0, 1))
+    assert len(single) == 4 and None not in single
+    assert first == second  # the group shares one set of scores
+    # Each sample's video decoded and scored on one rank of the group: the tokens' split rounds as in evaluation.
+    assert first == pytest.approx(single, rel=SEQUENCE_PARALLEL_REL)
