@@ -37,10 +37,10 @@ rerun.
 Fairness: the gate compares a challenger with the champion only when both were scored on the same evaluation set
 (its digest, tag ``eval_set.digest``) of at least ``min_eval_prompts`` prompts, and by the same evaluation definition
 (tag ``eval_set.definition``: the digest of the rewards, their weights and kwargs, the extra metrics, the judges, the
-prompt set and the seed, ``stages.evaluate.eval_definition``); otherwise the challenger is rejected, the decision says
-why in one line, and it is marked not comparable (``promote`` then exits 2). The decision tag names the set's digest
-and size. Judges' metrics (``eval/judge/<dimension>``) are recorded like the rewards', so the primary metric or a
-guard can be a judge.
+prompt set, the seed and the sampler's steps, shift and CFG scale, ``stages.evaluate.eval_definition``); otherwise
+the challenger is rejected, the decision says why in one line, and it is marked not comparable (``promote`` then exits
+2). The decision tag names the set's digest and size. Judges' metrics (``eval/judge/<dimension>``) are recorded like
+the rewards', so the primary metric or a guard can be a judge.
 """
 
 from __future__ import annotations
@@ -633,7 +633,8 @@ def _comparison_problem(exam: EvalSet | None, champion: ModelVersion | None) -> 
         return (
             f"champion v{champion.version} was evaluated by {theirs.definition_described()}, this version by "
             f"{exam.definition_described()}: different evaluation definitions, not comparable (evaluate both with "
-            f"the same rewards, weights, kwargs, judges and seed, or move the {CHAMPION} alias by hand)"
+            f"the same rewards, weights, kwargs, judges, seed and sampler settings, or move the {CHAMPION} alias by "
+            "hand)"
         )
     return None
 

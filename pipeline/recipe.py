@@ -589,7 +589,14 @@ class SageGRPORecipe:
                     exam,
                     len(self.eval_prompts),
                     self.config.eval.source or f"{self.config.data.source} (held-out split)",
-                    *evaluation.eval_definition(self.config.rewards, self.config.eval, exam),
+                    *evaluation.eval_definition(
+                        self.config.rewards,
+                        self.config.eval,
+                        exam,
+                        evaluation.eval_sampler(
+                            self.config.sde, self.config.model.guidance_scale, self.config.model.guidance_scale_2
+                        ),
+                    ),
                 ),
                 step=self.progress.iteration,
             )

@@ -239,11 +239,19 @@ def eval_set_digest(prompts: list[str], metadata: list[dict]) -> str:
     return hashlib.sha256(rows.encode()).hexdigest()[:32]
 
 
-def eval_definition(rewards: list[RewardSpec], config: EvalConfig, set_digest: str) -> tuple[str, str]:
+def eval_sampler(sde: SDEConfig, guidance_scale: float, guidance_scale_2: float | None = None) -> dict:
+    """The sampler settings that shape the scored videos: evaluation samples with the ODE (so the run's variant and
+    eta do not apply) at the run's steps and shift, under the model's CFG scale(s)."""
+    settings = {"variant": "ode", "steps": sde.steps, "shift": sde.shift, "guidance_scale": guidance_scale}
+    return settings | ({} if guidance_scale_2 is None else {"guidance_scale_2": guidance_scale_2})
+
+
+def eval_definition(rewards: list[RewardSpec], config: EvalConfig, set_digest: str, sampler: dict) -> tuple[str, str]:
     """What an evaluation's scores mean: the digest (32 hex digits) of the rewards with their weights (a preset
-    expanded) and kwargs, the extra metrics, the judges, the evaluation set's digest and the seed; and a short account
-    for people (names and weights only: kwargs may hold what a log must not). Two versions with one digest were scored
-    the same way on the same exam. ``batch_size`` is left out: it changes how rewards are called, not what they say."""
+    expanded) and kwargs, the extra metrics, the judges, the evaluation set's digest, the seed and the sampler
+    settings (``eval_sampler``); and a short account for people (names and weights only: kwargs may hold what a log
+    must not). Two versions with one digest were scored the same way on the same exam. ``batch_size`` is left out:
+    it changes how rewards are called, not what they say."""
 
     def described(spec: RewardSpec) -> dict:
         return {"name": spec.name, "kwargs": spec.kwargs, "weights": spec.explicit_weights()}
@@ -254,6 +262,7 @@ def eval_definition(rewards: list[RewardSpec], config: EvalConfig, set_digest: s
         "judges": [described(spec) for spec in config.judges],
         "prompt_set": set_digest,
         "seed": config.seed,
+        "sampler": sampler,
     }
     digest = hashlib.sha256(json.dumps(definition, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
@@ -263,7 +272,8 @@ def eval_definition(rewards: list[RewardSpec], config: EvalConfig, set_digest: s
     summary = f"rewards {names(rewards)}"
     summary += f"; metrics {names(config.metrics)}" if config.metrics else ""
     summary += f"; judges {', '.join(spec.name for spec in config.judges)}" if config.judges else ""
-    return digest, f"{summary}; seed {config.seed}"
+    settings = ", ".join(f"{key} {value:g}" for key, value in sampler.items() if key != "variant")
+    return digest, f"{summary}; seed {config.seed}; {sampler['variant']} {settings}"
 
 
 def key_frames(videos: torch.Tensor) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The promotion gate compares like with like, against a real ``mlflow server``: versions evaluated by different
-definitions (rewards, weights, kwargs, judges, prompt set, seed) are refused in one line and ``promote`` exits 2;
-with one definition it can gate on a judge. Versions are created with the tags a registration writes (the gate reads
-nothing else), so no model is logged."""
+definitions (rewards, weights, kwargs, judges, prompt set, seed, sampler settings) are refused in one line and
+``promote`` exits 2; with one definition it can gate on a judge. Versions are created with the tags a registration
+writes (the gate reads nothing else), so no model is logged."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import pytest
 from mlflow import MlflowClient
 
 from sage_grpo.core.registry import CHALLENGER, CHAMPION, DECISION_TAG, METRIC_TAG_PREFIX, EvalSet, promote
-from tests.integration.pipeline_runs import environment
+from sage_grpo.pipeline.config import load_run_config
+from sage_grpo.stages.evaluate import eval_definition, eval_sampler
+from tests.integration.pipeline_runs import DEMO, environment
 
 pytestmark = pytest.mark.integration
 
@@ -60,6 +62,32 @@ def test_versions_evaluated_by_different_definitions_are_refused_in_one_line(reg
     assert "different evaluation definitions, not comparable" in line
     assert dict(client.get_registered_model(name).aliases)[CHAMPION] == first
     assert client.get_model_version(name, other).tags[DECISION_TAG].startswith("rejected: champion")
+
+
+def test_versions_sampled_with_other_steps_are_refused(registry, mlflow_server):
+    """Same rewards, judges, prompts and seed; the challenger's evaluation videos were sampled in 4 steps, the
+    champion's in 8 (``eval_sampler`` in the digest)."""
+    client, name, challenger = registry
+    eight, four = (_demo_definition(f"sde.steps={steps}") for steps in (8, 4))
+    first = challenger(eight, eval__reward=-0.55)
+    assert promote(client, name).promoted
+    other = challenger(four, eval__reward=-0.50)
+
+    result = _promote_command(mlflow_server.url, name)
+    assert result.returncode == 2, result.stderr[-2000:]
+    [line] = result.stdout.splitlines()
+    assert f"evaluated by definition {eight[0][:12]} ({eight[1]}), this version by definition {four[0][:12]}" in line
+    assert eight[1].endswith("; ode steps 8, shift 3, guidance_scale 1") and four[1].endswith(
+        "ode steps 4, shift 3, guidance_scale 1"
+    )
+    assert "different evaluation definitions, not comparable" in line
+    assert dict(client.get_registered_model(name).aliases)[CHAMPION] == first != other
+
+
+def _demo_definition(*overrides: str) -> tuple[str, str]:
+    config = load_run_config(DEMO, list(overrides))
+    sampler = eval_sampler(config.sde, config.model.guidance_scale, config.model.guidance_scale_2)
+    return eval_definition(config.rewards, config.eval, EXAM, sampler)
 
 
 def test_a_version_or_champion_without_a_recorded_definition_is_not_compared(registry):
