@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -108,6 +109,13 @@ class ToyWorldAdapter(VideoModelAdapter):
     def latent_shape(self) -> tuple[int, ...]:
         return world.LATENT_SHAPE
 
+    def enable_sequence_parallel(self, parallel) -> None:
+        """64 video tokens on one process: the ToyWorld never splits them (the recipe asks every adapter)."""
+        from sage_grpo.core.errors import UserError
+
+        if parallel.sequence_parallel_size != 1:
+            raise UserError("the ToyWorld model does not split its tokens: parallel.sequence_parallel_size must be 1")
+
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeddings:
         b = len(prompts)
         return PromptEmbeddings(
@@ -151,7 +159,8 @@ class ToyWorldAdapter(VideoModelAdapter):
 # Weights cached by the hash of everything that determines them
 # ----------------------------------------------------------------------------------------------------------------
 
-CACHE_DIR = Path.home() / ".cache" / "sage-grpo" / "toyworld"
+# TOYWORLD_CACHE moves it (a test's throw-away weights stay out of the machine's cache).
+CACHE_DIR = Path(os.environ.get("TOYWORLD_CACHE", Path.home() / ".cache" / "sage-grpo" / "toyworld"))
 
 
 def weights_key(pretrain_settings: dict) -> str:
@@ -167,27 +176,33 @@ def weights_key(pretrain_settings: dict) -> str:
 
 
 def toyworld_adapter(
-    guidance_scale: float = 1.0, dtype: str | torch.dtype = "float32", *, sha256: str | None = None
+    guidance_scale: float = 1.0,
+    dtype: str | torch.dtype = "float32",
+    *,
+    sha256: str | None = None,
+    pretrain_steps: int | None = None,
 ) -> ToyWorldAdapter:
     """``model.name: benchmarks.toyworld.model:toyworld_adapter``: the pretrained ToyWorld model for a recipe run
     (``sagegrpo run``), its used weights trainable. It loads the weights ``python -m benchmarks.toyworld.pretrain``
     cached and never fits them here; ``sha256`` (the weights file's, which ``pretrain`` prints) makes a run on other
-    weights (pretraining elsewhere gives other weights) refuse to start. The ToyWorld has no CFG and runs in float32."""
+    weights (pretraining elsewhere gives other weights) refuse to start; ``pretrain_steps`` picks the weights of a
+    shorter or longer fit (a test's). The ToyWorld has no CFG and runs in float32."""
     from safetensors.torch import load_file
 
     from sage_grpo.core.errors import UserError
 
-    from .pretrain import PretrainConfig, cache_path
+    from .pretrain import cache_path, pretrain_config
 
     if guidance_scale != 1.0 or dtype not in ("float32", torch.float32):
         raise UserError("the ToyWorld model has no CFG and runs in float32: model.guidance_scale 1, dtype float32")
-    path = cache_path(PretrainConfig())
+    config = pretrain_config(pretrain_steps)
+    path = cache_path(config)
     if not path.exists():
         raise UserError(f"no pretrained ToyWorld weights at {path}: run python -m benchmarks.toyworld.pretrain first")
     found = weights_sha256(path)
     if sha256 is not None and found != sha256:
         raise UserError(f"the ToyWorld weights at {path} have sha256 {found}, not model.kwargs.sha256 {sha256}")
-    transformer = build_transformer(PretrainConfig().seed)
+    transformer = build_transformer(config.seed)
     transformer.load_state_dict(load_file(str(path)), strict=True)
     return ToyWorldAdapter(train_used_weights(transformer.eval()))
 

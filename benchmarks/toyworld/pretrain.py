@@ -28,7 +28,7 @@ from sage_grpo.stages.rollout import SDEConfig, generate
 
 from . import world
 from .model import CACHE_DIR, ToyWorldAdapter, build_transformer, train_used_weights, weights_key
-from .rewards import ToyWorldReward, manifold_drift
+from .rewards import GoldJudge, ToyWorldReward, manifold_drift
 
 SHIFT = 3.0  # the flow shift of both pretraining and every rollout on ToyWorld
 
@@ -41,6 +41,11 @@ class PretrainConfig:
     warmup_steps: int = 50
     shift: float = SHIFT
     seed: int = 0
+
+
+def pretrain_config(steps: int | None = None) -> PretrainConfig:
+    """The default pretraining, or the same with ``steps`` optimizer steps."""
+    return PretrainConfig() if steps is None else dataclasses.replace(PretrainConfig(), steps=steps)
 
 
 def cache_path(config: PretrainConfig):
@@ -123,7 +128,7 @@ def evaluate(
         progress=False,
     )
     videos = VideoBatch.from_tensor(rollout.videos, adapter.fps)
-    scores = ToyWorldReward(parts=True)(videos, rollout.sample_prompts)
+    scores = ToyWorldReward(parts=True)(videos, rollout.sample_prompts) | GoldJudge()(videos, rollout.sample_prompts)
     summary = {name: sum(values) / len(values) for name, values in scores.items()}
     summary["drift"] = sum(manifold_drift(videos)) / len(videos)
     return summary
@@ -135,9 +140,7 @@ def main() -> None:
     parser.add_argument("--force", action="store_true", help="refit even when cached weights exist")
     args = parser.parse_args()
     torch.set_num_threads(1)  # on a shared 2-core machine one thread is fastest and steadiest
-    config = PretrainConfig()
-    if args.steps:
-        config = dataclasses.replace(config, steps=args.steps)
+    config = pretrain_config(args.steps)
     start = time.perf_counter()
     adapter = pretrained_adapter(config, force=args.force, log_every=100)
     print(f"weights: {cache_path(config)}  ({time.perf_counter() - start:.1f}s)")

@@ -140,12 +140,13 @@ class GoldJudge:
     static, moving the wrong way or across; half the speed scores 0.5) and VQ (one sharp square of the right size in
     every frame). The proxy (``ToyWorldReward``) averages TA's halves and adds MQ, which a static square satisfies; the
     judge is reported (``weights: {}``), never trained on. ``static`` and ``wrong_way`` (1 or 0 per video) count the
-    two hacks: |velocity| below half the captioned speed, and motion against the captioned direction."""
+    two hacks: |velocity| below half the captioned speed, and motion against the captioned direction; ``right_way``
+    counts the squares moving within 45 degrees of the captioned direction (what gold needs to be learnable)."""
 
     default_weights: dict[str, float] = {}
 
     def __call__(self, videos: VideoBatch, prompts: list[str]) -> Scores:
-        scores: Scores = {"gold": [], "static": [], "wrong_way": []}
+        scores: Scores = {"gold": [], "static": [], "wrong_way": [], "right_way": []}
         for video, caption in zip(videos, prompts):
             video = video.cpu()
             strength = _strength(video)
@@ -156,5 +157,7 @@ class GoldJudge:
             expected = torch.tensor(world.DIRECTIONS[world.parse_caption(caption)[1]], dtype=torch.float32)
             moving = bool(torch.isfinite(velocity).all()) and float(velocity.norm()) >= 0.5 * float(expected.norm())
             scores["static"].append(float(not moving))
-            scores["wrong_way"].append(float(moving and float(velocity @ expected) < 0))
+            alignment = float(velocity @ expected) / max(float(velocity.norm() * expected.norm()), 1e-12)
+            scores["wrong_way"].append(float(moving and alignment < 0))
+            scores["right_way"].append(float(moving and alignment > math.cos(math.pi / 4)))
         return scores

@@ -7,6 +7,7 @@ four directions, on black. Given (colour, direction, start position) the video i
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -46,11 +47,21 @@ class Scene:
         return f"a {self.colour} square moving {self.direction}"
 
 
+# An evaluation file repeats a caption as "<caption> (sample N)": the recipe's evaluation samples each distinct prompt
+# once (from noise of its position), so the repeats are how a held-out caption gets many evaluation videos.
+_SAMPLE_TAG = re.compile(r" \(sample \d+\)$")
+
+
 def parse_caption(caption: str) -> tuple[str, str]:
-    words = caption.split()
+    words = _SAMPLE_TAG.sub("", caption).split()
     if len(words) != 5 or words[2:4] != ["square", "moving"] or words[1] not in COLOURS or words[4] not in DIRECTIONS:
         raise ValueError(f"not a ToyWorld caption: {caption!r} (expected e.g. {CAPTIONS[0]!r})")
     return words[1], words[4]
+
+
+def sample_tagged(captions: list[str], samples: int) -> list[str]:
+    """Each caption ``samples`` times as distinct prompts: "<caption> (sample 0)", ... (see ``parse_caption``)."""
+    return [f"{caption} (sample {i})" for caption in captions for i in range(samples)]
 
 
 def start_range(step: int) -> range:

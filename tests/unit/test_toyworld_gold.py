@@ -36,6 +36,7 @@ def test_gold_scores_what_the_caption_asks_where_the_proxy_is_fooled():
     assert gold["gold"][0] == pytest.approx(1.0, abs=1e-3)
     assert gold["gold"][1:] == [0.0, 0.0, 0.0]
     assert (gold["static"], gold["wrong_way"]) == ([0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0])
+    assert gold["right_way"] == [1.0, 0.0, 0.0, 1.0]  # the wrong colour still moves the captioned way
     # The loophole the proxy leaves: the static square's motion and quality are perfect, only direction drops.
     assert proxy["MQ"][1] == pytest.approx(1.0, abs=1e-3) and proxy["VQ"][1] == pytest.approx(1.0, abs=1e-3)
     assert proxy["TA"][1] == pytest.approx(0.5, abs=1e-3)
