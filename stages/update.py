@@ -454,11 +454,11 @@ class Updater:
 
     @property
     def reads_rollout_means(self) -> bool:
-        """Whether the next rollout should record its means (``generate(record_means=True)``): some update on it may
-        have the rollout policy as its lagged policy. With several updates per rollout the second one always does (the
-        first one's starting weights are the rollout's); with one, only a run's first update (the lagged copy is the
-        initial weights), which is not worth keeping the means for on every rollout."""
-        return self.lagged is not None and (self.config.updates_per_rollout > 1 or self.updates_done == 0)
+        """Whether the next rollout should record its means (``generate(record_means=True)``, as much memory as its
+        latents): with several updates per rollout, the second one's lagged policy is the rollout's weights (the first
+        one's starting weights), and so is a run's first update's. With one update per rollout only a run's first
+        update could read them: not worth a first iteration's peak memory."""
+        return self.lagged is not None and self.config.updates_per_rollout > 1
 
     def _lagged_is_rollout_policy(self, rollout) -> bool:
         """Whether the lagged policy is the weights that generated ``rollout`` (the current ones: the update trains on
