@@ -54,6 +54,14 @@ def wait_until_answering(
     raise RuntimeError(f"{url} did not come up:\n{on_failure()}")
 
 
+def wait_for(predicate: Callable[[], object], process: subprocess.Popen) -> None:
+    """Until ``predicate()`` holds, however slow the machine: the process reaches that moment or ends (a failure
+    here); one that hangs is the per-test limit's to stop."""
+    while not predicate():
+        assert process.poll() is None, "the process ended before the moment the test waits for"
+        time.sleep(0.02)
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 

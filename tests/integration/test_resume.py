@@ -9,7 +9,6 @@ import filecmp
 import json
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from mlflow import MlflowClient
 from safetensors.torch import load_file
 
 from sage_grpo.core.errors import RETRYABLE_EXIT_CODE
+from tests.helpers import wait_for
 from tests.integration.pipeline_runs import (
     DEMO,
     REPO,
@@ -121,21 +121,13 @@ def _start(output: Path, kind: str) -> subprocess.Popen:
     )
 
 
-def _wait_for(predicate, process: subprocess.Popen) -> None:
-    """Until ``predicate()`` holds, however slow the machine: the run reaches that moment or ends (a failure here);
-    a run that hangs is the per-test limit's to stop."""
-    while not predicate():
-        assert process.poll() is None, "the run ended before the moment the test waits for"
-        time.sleep(0.02)
-
-
 @pytest.mark.parametrize("straight_run", ["full"], indirect=True)  # one kind is enough for signals
 def test_sigterm_checkpoints_exits_retryable_and_resumes(straight_run, tmp_path):
     kind, straight = straight_run
     process = _start(tmp_path, kind)
     mlflow_db = tmp_path / "mlflow.db"
     # The embedding cache is written during the first rollout: the run is mid-iteration 1.
-    _wait_for(lambda: (tmp_path / "embedding-cache").exists() and mlflow_db.exists(), process)
+    wait_for(lambda: (tmp_path / "embedding-cache").exists() and mlflow_db.exists(), process)
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate()
     assert process.returncode == RETRYABLE_EXIT_CODE, output[-4000:]
@@ -151,7 +143,7 @@ def test_sigkill_in_the_middle_of_a_save_loses_nothing(straight_run, tmp_path):
     kind, straight = straight_run
     process = _start(tmp_path, kind)
     staging = tmp_path / "checkpoint-staging" / "step-2"
-    _wait_for(lambda: staging.exists() and any(staging.rglob("*.pt")), process)
+    wait_for(lambda: staging.exists() and any(staging.rglob("*.pt")), process)
     process.kill()
     process.wait()
     assert not (tmp_path / "checkpoints" / "step-2" / "manifest.json").exists()

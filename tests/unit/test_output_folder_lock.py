@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from sage_grpo.core.output_lock import LOCK_FILE, OutputFolderLock
-from tests.helpers import refused_in_one_line
+from tests.helpers import refused_in_one_line, wait_for
 from tests.integration.pipeline_runs import DEMO, REPO, environment, sagegrpo_command
 
 pytestmark = pytest.mark.unit
@@ -21,12 +20,8 @@ pytestmark = pytest.mark.unit
 def holder_record(output_dir: Path, process: subprocess.Popen) -> dict:
     """The live run's record in its lock file, once written (the lock is taken before the run's slow imports)."""
     path = output_dir / LOCK_FILE
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and process.poll() is None:
-        if path.exists() and path.read_text().strip():
-            return json.loads(path.read_text())
-        time.sleep(0.05)
-    raise AssertionError(f"the first run took no lock: {process.poll()}")
+    wait_for(lambda: path.exists() and path.read_text().strip(), process)
+    return json.loads(path.read_text())
 
 
 def test_a_second_run_on_a_live_runs_output_dir_is_refused_and_a_killed_run_releases_it(tmp_path, capsys):

@@ -4,12 +4,12 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from sage_grpo.core.errors import RETRYABLE_EXIT_CODE
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.unit
 
@@ -63,12 +63,9 @@ def test_sbatch_relays_usr1_and_requeues_on_exit_75(tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    deadline = time.monotonic() + 10
-    while not (tmp_path / "step.pid").exists():
-        assert time.monotonic() < deadline and job.poll() is None, job.communicate()[0]
-        time.sleep(0.05)
+    wait_for((tmp_path / "step.pid").exists, job)
     job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 does
-    assert job.wait(timeout=10) == RETRYABLE_EXIT_CODE, job.communicate()[0]
+    assert job.wait() == RETRYABLE_EXIT_CODE, job.communicate()[0]
     assert (tmp_path / "scancel.log").read_text().split() == ["--signal=USR1", "42"]
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "42"]
     srun_args = (tmp_path / "srun.args").read_text().split()
@@ -86,7 +83,6 @@ def test_sbatch_does_not_requeue_a_finished_or_failed_run(tmp_path):
             cwd=work,
             capture_output=True,
             text=True,
-            timeout=10,
         )
         assert result.returncode == int(status)
         assert not (work / "scontrol.log").exists()
