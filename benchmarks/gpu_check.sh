@@ -6,8 +6,9 @@
 #      same slice (within 10%), its MFU from the traced model FLOPs (benchmarks/traced_block_check.py);
 #   3. preflight of the demo config (tiny model): devices, rewards, on-policy first update, KL gradient band;
 #   4. the demo run itself (8 iterations, evaluation, checkpoints, export);
-#   5. with 2 GPUs, sequence parallelism K = 2 against K = 1 (benchmarks/sequence_parallel_memory.py); with one, a
-#      line saying it was skipped.
+#   5. with 2 GPUs, sequence parallelism K = 2 against K = 1 in bf16 (benchmarks/sequence_parallel_memory.py): memory
+#      and time per rank, and the velocity, rollout and gradient norm equal within bf16 rounding (its verdict line);
+#      with one, a line saying it was skipped.
 # The block check's lines are appended to benchmarks/RESULTS.md with the card named.
 # Every step has its own time limit and log (OUT_DIR); the runs' outputs go to a scratch folder; a table of the
 # numbers is printed last.
@@ -56,6 +57,7 @@ grep -h "^\(schedule\|devices\|first iterations\|rewards\|on-policy\|trust regio
     "$out/preflight-tiny.log"
 [ -f "$out/sequence-parallel.log" ] && grep -h "^\(activations per rank\|peak CUDA memory per rank\|update time\):" \
     "$out/sequence-parallel.log" | sed "s/^/sequence parallel K=1 vs K=2 /"
+[ -f "$out/sequence-parallel.log" ] && grep -h "^\(bfloat16 K=2 vs K=1\|equivalence:\)" "$out/sequence-parallel.log"
 python3 - "$runs/demo/mlflow.db" <<'EOF'
 import sys
 
