@@ -1,5 +1,6 @@
-"""Process-group set-up and small collectives. Rank, world size and local rank come from the environment only
-(torchrun, the deepspeed launcher and Slurm's srun via torchrun all set RANK / WORLD_SIZE / LOCAL_RANK)."""
+"""Process-group set-up, the run's parallel layout and small collectives. Rank, world size and local rank come from
+the environment only (torchrun, the deepspeed launcher and Slurm's srun via torchrun all set RANK / WORLD_SIZE /
+LOCAL_RANK)."""
 
 from __future__ import annotations
 
@@ -69,8 +70,8 @@ class ParallelLayout:
     @classmethod
     def build(cls, sequence_parallel_size: int = 1) -> ParallelLayout:
         """This process's layout in the world of ``init``, with its device mesh when K > 1 (a ``ring`` dim of size 1
-        beside ``ulysses``, as diffusers asks). Every rank calls it once, after ``init``: the mesh's groups are made by
-        all ranks together."""
+        beside ``ulysses``, as diffusers asks). With K > 1 every rank calls it once, after ``init``: the mesh's groups
+        are made by all ranks together. At K = 1 it makes nothing: plain data parallelism, free to build anywhere."""
         layout = cls(world_size(), sequence_parallel_size, rank())
         if sequence_parallel_size == 1:
             return layout

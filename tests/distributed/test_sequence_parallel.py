@@ -1,7 +1,7 @@
 """Sequence parallelism (Ulysses, diffusers' context parallelism) against none, under real DeepSpeed ZeRO-3 with gloo
-on CPU: K = 2 on 2 processes computes what K = 1 on one process does, for the tiny HunyuanVideo 1.5 and Wan, for a
-LoRA-adapted HunyuanVideo 1.5, and with two data-parallel groups (world 4 at K = 2 against world 2 at K = 1); and a
-whole run's metrics, resumed across K, are those of a run at K = 1."""
+on CPU: K = 2 on 2 processes computes what K = 1 on one process does, for the tiny HunyuanVideo 1.5 and Wan, and a
+whole run's metrics, resumed across K, are those of a run at K = 1. test_sequence_parallel_layouts.py runs the same
+comparisons on more layouts."""
 
 import json
 from dataclasses import dataclass
@@ -31,12 +31,7 @@ class Comparison:
     lora: bool = False
 
 
-COMPARISONS = {
-    "hunyuan15": Comparison("hunyuan15"),
-    "wan": Comparison("wan"),
-    "hunyuan15-lora": Comparison("hunyuan15", lora=True),
-    "hunyuan15-two-groups": Comparison("hunyuan15", whole=(2, 1), split=(4, 2)),
-}
+COMPARISONS = {"hunyuan15": Comparison("hunyuan15"), "wan": Comparison("wan")}
 
 
 @dataclass(frozen=True)
@@ -58,14 +53,17 @@ class Runs:
         return [layout_name(*layout, comparison.lora) for layout in (comparison.whole, comparison.split)]
 
 
-@pytest.fixture(scope="module", params=sorted(COMPARISONS))
-def runs(request, tmp_path_factory):
-    comparison = COMPARISONS[request.param]
-    out = tmp_path_factory.mktemp(request.param)
+def run_both(comparison: Comparison, out: Path) -> Runs:
+    """The worker in both layouts of ``comparison``, writing into ``out``."""
     flags = ["--model", comparison.model, "--out", str(out)] + (["--lora"] if comparison.lora else [])
     for world, size in (comparison.whole, comparison.split):
         torchrun(world, str(WORKER), "--sequence-parallel", str(size), *flags)
     return Runs(out, comparison)
+
+
+@pytest.fixture(scope="module", params=sorted(COMPARISONS))
+def runs(request, tmp_path_factory):
+    return run_both(COMPARISONS[request.param], tmp_path_factory.mktemp(request.param))
 
 
 def test_each_rank_holds_its_share_of_the_tokens(runs):
