@@ -316,27 +316,38 @@ OTHER_FLAGS = {
 }
 
 
-def _options(parser: argparse.ArgumentParser) -> set[str]:
-    return {option for action in parser._actions for option in action.option_strings}
+def _options(parser: argparse.ArgumentParser, *, documented: bool = False) -> set[str]:
+    """Its options; ``documented``: only the long ones its ``--help`` shows (not ``--help``, nor a hidden alias)."""
+    return {
+        option
+        for action in parser._actions
+        if not documented or (action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction))
+        for option in action.option_strings
+        if not documented or option.startswith("--")
+    }
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    (subcommands,) = [action for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction)]
+    return subcommands.choices
 
 
 @functools.cache
 def sagegrpo_options() -> dict[str | None, set[str]]:
     """Each subcommand's options, and the top level's under None."""
-    parser = build_parser()
-    (subcommands,) = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
-    return {None: _options(parser), **{name: _options(sub) for name, sub in subcommands.choices.items()}}
+    return {None: _options(build_parser()), **{name: _options(sub) for name, sub in _subcommands().items()}}
 
 
-def module_options(module: str) -> set[str]:
-    """The options ``python -m module`` declares: our modules build their parser inside ``main``, so their source."""
+def module_options(module: str) -> set[str] | None:
+    """The options ``python -m module`` declares (our modules build their parser inside ``main``, so their source
+    says), or None when the repository has no such module."""
     path = ROOT / module.removeprefix("sage_grpo.").replace(".", "/")
-    source = next(candidate for candidate in (path.with_suffix(".py"), path / "__main__.py") if candidate.exists())
-    return set(re.findall(r"[\"'](--[a-z][a-z0-9_-]*)[\"']", source.read_text()))
+    sources = [candidate for candidate in (path.with_suffix(".py"), path / "__main__.py") if candidate.exists()]
+    return set(re.findall(r"[\"'](--[a-z][a-z0-9_-]*)[\"']", sources[0].read_text())) if sources else None
 
 
 def program_options(match: re.Match) -> set[str] | None:
-    """The options of the program ``match`` names, or None for a subcommand ``sagegrpo`` does not have."""
+    """The options of the program ``match`` names, or None for a subcommand or module the repository lacks."""
     if match["module"]:
         return module_options(match["module"])
     if match["other"] == "torchrun":
@@ -373,7 +384,7 @@ def test_every_flag_a_page_shows_is_its_programs():
         for match, following in zip(invocations, [*invocations[1:], None]):
             options = program_options(match)
             if options is None:
-                wrong.append(f"{page}: sagegrpo has no subcommand {match['command'] or match['launched']!r}")
+                wrong.append(f"{page}: {match[0]!r} names no subcommand or module of this repository")
                 continue
             known |= options
             after = text[match.end() : following.start() if following else None]
@@ -394,3 +405,15 @@ def test_every_bound_a_page_states_is_the_schemas():
         if kind not in constraints or getattr(constraints[kind], attribute) != yaml.safe_load(value):
             wrong.append(f"{page}: {key} {relation} {value}, the schema's constraints are {list(constraints.values())}")
     assert not wrong, wrong
+
+
+def test_the_synopsis_shows_every_subcommand_with_every_option():
+    """docs/commands.md's synopsis is the one list of what the CLI takes: a new subcommand or flag is shown there."""
+    synopsis = [text for text in command_texts(ROOT / "docs" / "commands.md") if text.startswith("sagegrpo ")]
+    missing = []
+    for name, parser in _subcommands().items():
+        shown = [text for text in synopsis if text.split()[1] == name]
+        flags = set(FLAG.findall(" ".join(shown)))
+        missing += [f"sagegrpo {name} {option}" for option in sorted(_options(parser, documented=True) - flags)]
+        missing += [] if shown else [f"sagegrpo {name}"]
+    assert not missing, missing
