@@ -12,7 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sage_grpo.core import config_loading
-from sage_grpo.core.distributed import ParallelConfig
+from sage_grpo.core.distributed import ParallelConfig, ParallelLayout
 from sage_grpo.core.lora import LoraConfig
 from sage_grpo.core.models import ModelConfig, sequence_layout
 from sage_grpo.core.models.base import check_sequence_split
@@ -142,9 +142,7 @@ class RunConfig(_Section):
         layout = sequence_layout(self.model)
         if layout is not None:
             check_sequence_split(*layout, size)
-        world = int(os.environ.get("WORLD_SIZE", size))
-        if world % size:
-            raise ValueError(f"parallel.sequence_parallel_size={size} does not divide the world size {world}")
+        ParallelLayout(int(os.environ.get("WORLD_SIZE", size)), size)  # the layout's own check, before any rank starts
 
     @property
     def accumulation_steps(self) -> int:
