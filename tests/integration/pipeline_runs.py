@@ -22,6 +22,16 @@ SHORT = [
     "checkpoint.every=2",
     "trust_region.anchor_interval=2",
 ]
+# The shortened demo made to hack (tests/integration/test_hacking_guard_runs.py): trained on brightness toward white
+# fast enough that 16 iterations wash the videos out while the contrast judge falls; the guard's thresholds.
+HACKING = [
+    "update.learning_rate=1e-2",
+    "eval.write_videos=0",
+    "eval.guard.window=3",
+    "eval.guard.min_reward_rise=0.01",
+    "eval.guard.min_judge_drop=0.001",
+]
+CONTRAST_JUDGE = "eval.judges=[{name: 'tests.fixtures.user_rewards.judges:Contrast'}]"
 
 
 def environment(**extra: str) -> dict[str, str]:
