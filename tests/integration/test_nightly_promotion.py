@@ -8,78 +8,30 @@ dataset."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-import yaml
 from mlflow import MlflowClient
 
 from sage_grpo.core.registry import CHALLENGER, CHAMPION, DECISION_TAG
 from sage_grpo.core.registry_config import DEFAULT_MARGIN
-from tests.integration.pipeline_runs import DEMO, REPO, environment
+from tests.integration.scheduled_jobs import DAYS, PROMPTS, ScheduledJob, scheduled_job, succeeded
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MODEL = "t2v-nightly"
-DAYS = ("2026-12-01", "2026-12-02")
 EXAM_SIZE = 4
 JUDGE_TOLERANCE = 0.01
 
 
 @pytest.fixture
-def nightly(tmp_path, mlflow_server):
-    config = yaml.safe_load(DEMO.read_text())
-    config["sde"]["steps"] = 4
-    config["rollout"] = {"group_size": 2, "prompts_per_rank": 2}
-    config["update"]["micro_batch_size"] = 2
-    prompts = (REPO / "configs" / "demo_prompts.txt").read_text().splitlines()
-    exam = tmp_path / "eval-v1.txt"
-    exam.write_text("\n".join(prompts[-EXAM_SIZE:]) + "\n")
-    config["eval"] = {
-        "every": 2,
-        "write_videos": 0,
-        "source": str(exam),
-        "judges": [{"name": "tests.fixtures.user_rewards.judges:Contrast"}],
-    }
-    config["checkpoint"] = {"every": 2, "keep_last": 2}
-    config["trust_region"]["anchor_interval"] = 2
-    config["registry"] = {"min_eval_prompts": EXAM_SIZE, "guards": {"eval/judge/contrast": JUDGE_TOLERANCE}}
-    config_path = tmp_path / "nightly.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    prompt_dir = tmp_path / "prompts"
-    prompt_dir.mkdir()
-    (prompt_dir / f"{DAYS[0]}.txt").write_text("\n".join(prompts[:12]) + "\n")
-
-    def start(day: str, *overrides: str) -> subprocess.CompletedProcess:
-        command = [
-            sys.executable,
-            "-m",
-            "sage_grpo.pipeline.cli",
-            "schedule",
-            str(config_path),
-            f"tracking.tracking_uri={mlflow_server.url}",
-            *overrides,
-            "--prompts",
-            str(prompt_dir),
-            "--checkpoint-root",
-            str(tmp_path / "scheduled"),
-            "--model",
-            MODEL,
-            "--work-dir",
-            str(tmp_path / "work"),
-            "--date",
-            day,
-        ]
-        env = environment(PATH="/usr/bin:/bin")
-        return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-
-    return start, prompt_dir, prompts, exam
-
-
-def _ok(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-6000:]
-    return result.stdout
+def nightly(tmp_path, mlflow_server) -> ScheduledJob:
+    return scheduled_job(
+        tmp_path,
+        mlflow_server.url,
+        MODEL,
+        exam_size=EXAM_SIZE,
+        eval={"judges": [{"name": "tests.fixtures.user_rewards.judges:Contrast"}]},
+        registry={"guards": {"eval/judge/contrast": JUDGE_TOLERANCE}},
+    )
 
 
 def _evaluation_dataset(client: MlflowClient, run_id: str):
@@ -89,16 +41,15 @@ def _evaluation_dataset(client: MlflowClient, run_id: str):
 
 
 def test_the_nightly_job_promotes_a_better_challenger_on_day_two(nightly, mlflow_server):
-    start, prompt_dir, prompts, exam = nightly
     client = MlflowClient(mlflow_server.url)
 
-    first_day = _ok(start(DAYS[0], "run.max_iterations=2"))
+    first_day = succeeded(nightly.start(DAYS[0], "run.max_iterations=2"))
     assert "--nproc-per-node=1" in first_day  # no GPU here: one training process
     [first] = client.search_model_versions(f"name = '{MODEL}'")
     assert client.get_model_version(MODEL, first.version).tags[DECISION_TAG].startswith("promoted: first champion")
 
-    (prompt_dir / f"{DAYS[1]}.txt").write_text("\n".join(prompts[8:]) + "\n")
-    _ok(start(DAYS[1], "run.max_iterations=6", "update.learning_rate=1e-2"))
+    nightly.add_day(DAYS[1], PROMPTS[8:])
+    succeeded(nightly.start(DAYS[1], "run.max_iterations=6", "update.learning_rate=1e-2"))
     second = next(v for v in client.search_model_versions(f"name = '{MODEL}'") if v.version != first.version)
     second = client.get_model_version(MODEL, second.version)
 
@@ -115,4 +66,4 @@ def test_the_nightly_job_promotes_a_better_challenger_on_day_two(nightly, mlflow
     # The evaluation dataset MLflow records is the fixed set that was scored, not the prompt file's held-out split.
     for version in (first, second):
         dataset = _evaluation_dataset(client, version.run_id)
-        assert dataset.name == exam.name and f'"num_rows": {EXAM_SIZE}' in dataset.profile
+        assert dataset.name == nightly.exam.name and f'"num_rows": {EXAM_SIZE}' in dataset.profile
