@@ -200,12 +200,15 @@ def test_every_repository_path_the_pages_name_exists():
 # `rewards.0.weights.VQ`); a file name such as `rollout.py` or `run.lock` is not a key.
 CONFIG_KEY = re.compile(r"`([a-z_][a-z0-9_]*(?:\.[A-Za-z0-9_]+)+)(?:\s*[:=][^`]*)?`")
 FILE_SUFFIXES = {"py", "md", "json", "jsonl", "yaml", "yml", "txt", "csv", "lock", "db", "sh", "pt", "safetensors"}
-# "`key` (default 3", "`key` updates (default 3", "`key`, default `auto`", "`key` defaults to 0.002", "the default
-# `key: value`", and a table row "| `key` | 1.0 | ...".
+# "`key` (default 3", "`key` updates (default 3", "`key`, default `auto`", "`key` defaults to 0.002", and a table
+# row "| `key` | 1.0 | ...".
 DEFAULT_IN_PROSE = re.compile(r"`([a-z_][a-z0-9_.]+)`(?: [a-z]+)?,? \(?defaults?(?: to)? `?([^`\s,;:)]+)")
 # "`key` (default 3 evaluations, at least 2)" or "(default 2, above 1)": the bound the schema enforces.
 BOUND_IN_PROSE = re.compile(r"`([a-z_][a-z0-9_.]+)` \(default [^,()]+, (at\s+least|above) ([^\s,;)]+)")
-DEFAULT_BEFORE = re.compile(r"[Dd]efault `([a-z_][a-z0-9_.]+)[:=] ?([^`\s]+)`")
+# A sentence (or list item) that says "default" and gives `key: value` or `key=value`: "The trust region
+# (`trust_region.strategy: moving`) ... are the defaults".
+SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z(`*])|\n\s*\n|\n\s*- ")
+KEY_VALUE = re.compile(r"`([a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)+)(?::\s*|=)([^`]+)`")
 DEFAULT_IN_TABLE = re.compile(r"^\| `([a-z_][a-z0-9_.]+)` \| ([^|\s]+)", re.MULTILINE)
 
 
@@ -266,13 +269,26 @@ def _default(field: FieldInfo):
     return field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
 
 
+def _said_with_default(text: str) -> list[tuple[str, str]]:
+    sentences = SENTENCE.split(FENCE.sub("", text))
+    return [
+        pair for sentence in sentences if re.search(r"\bdefaults?\b", sentence) for pair in KEY_VALUE.findall(sentence)
+    ]
+
+
 def stated_defaults() -> list[tuple[str, str, str]]:
     return sorted(
         {
             (page.name, key, value)
             for page in PAGES
-            for pattern in (DEFAULT_IN_PROSE, DEFAULT_BEFORE, DEFAULT_IN_TABLE)
-            for key, value in pattern.findall(page.read_text())
+            for key, value in [
+                *(
+                    pair
+                    for pattern in (DEFAULT_IN_PROSE, DEFAULT_IN_TABLE)
+                    for pair in pattern.findall(page.read_text())
+                ),
+                *_said_with_default(page.read_text()),
+            ]
             if key.split(".")[0] in RunConfig.model_fields
         }
     )
@@ -288,6 +304,8 @@ def test_every_default_a_page_states_is_the_schemas():
         actual, said = _default(field), yaml.safe_load(value)
         if hasattr(actual, "value"):  # an enum member: the YAML spelling is its value
             actual = actual.value
+        if isinstance(actual, float) and isinstance(said, str):  # YAML 1.1 reads 1e-5 (no dot) as text
+            said = float(said)
         if said != actual:
             wrong.append(f"{page}: {key} default {said!r}, the schema's is {actual!r}")
     assert not wrong, wrong
