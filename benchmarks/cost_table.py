@@ -1,13 +1,13 @@
-"""FLOPs, GPU-hours and traced peak memory per iteration of every shipped HunyuanVideo 1.5 config, and what the
-cost levers save: a markdown table from ``sagegrpo plan``'s traced plan (``pipeline.phase_plan``).
+"""FLOPs, GPU-hours and traced peak memory per iteration of every shipped HunyuanVideo 1.5 and Wan 2.2 A14B config,
+and what the cost levers save: a markdown table from ``sagegrpo plan``'s traced plan (``pipeline.phase_plan``).
 
     python -m benchmarks.cost_table [--mfu 0.35] [--gpu H100] [--docs docs/scale-out.md]
 
 ``--docs`` rewrites the table between the ``cost-table`` markers of that file. Levers, as overrides of a config:
-training a subset of the steps (``sde.window=[0,2]``, Flow-GRPO-Fast-style: 2 of 20 steps stochastic and trained;
-the rollout still takes all 20) and sampling and training without CFG (``model.guidance_scale=1``: one branch per
-call). Their effect on learning is not measured here. The planner models HunyuanVideo 1.5 only: no Wan config is
-shipped, and Wan has no traced plan.
+training a subset of the steps (Flow-GRPO-Fast-style: 2 of 20 steps stochastic and trained, the rollout still takes
+all 20; ``sde.window=[0,2]``, and for Wan 2.2 A14B ``[12,14]``, the last high-noise step and the first low-noise
+one, so that both trained experts keep a trained step) and sampling and training without CFG (every guidance scale
+1: one branch per call). Their effect on learning is not measured here.
 """
 
 from __future__ import annotations
@@ -24,35 +24,39 @@ from sage_grpo.pipeline.config import load_run_config
 REPO = Path(__file__).resolve().parents[1]
 # Each config on the layout its comments and docs/scale-out.md name: full fine-tuning on 8 nodes, LoRA on one.
 LAYOUTS = {"full": (8, 8), "720p": (8, 8), "lora": (8, 1)}
-LEVERS = {
-    "": [],
-    "2 trained steps": ["sde.window=[0,2]"],
-    "no CFG": ["model.guidance_scale=1.0"],
-    "2 trained steps, no CFG": ["sde.window=[0,2]", "model.guidance_scale=1.0"],
-}
-LEVERED = ("hunyuanvideo15_sage_full.yaml", "hunyuanvideo15_sage_720p.yaml")
+CONFIGS = ("hunyuanvideo15_*.yaml", "wan22_*.yaml")
+LEVERED = ("hunyuanvideo15_sage_full.yaml", "hunyuanvideo15_sage_720p.yaml", "wan22_a14b_sage_full.yaml")
+
+
+def levers(config_name: str) -> dict[str, list[str]]:
+    """Each lever's overrides of a config, as shipped first."""
+    two_experts = config_name.startswith("wan22_a14b")
+    window = ["sde.window=[12,14]"] if two_experts else ["sde.window=[0,2]"]
+    no_cfg = ["model.guidance_scale=1.0"] + (["model.guidance_scale_2=1.0"] if two_experts else [])
+    return {"": [], "2 trained steps": window, "no CFG": no_cfg, "2 trained steps, no CFG": window + no_cfg}
+
+
 BEGIN, END = "<!-- cost-table:begin -->", "<!-- cost-table:end -->"
 
 
-def _memoized_traces() -> None:
-    """The same transformer call traced once per process: the configs share most of them."""
-    trace, seen = memory_trace.trace_hunyuanvideo15, {}
+def _memoized(module, name: str, copy=lambda value: value) -> None:
+    """``module.name`` computed once per process for each set of arguments: the configs share most traces."""
+    compute, seen = getattr(module, name), {}
 
-    def cached(transformer_config, call, *, lora_config=None, dtype=None):
-        key = (repr(sorted(transformer_config.items())), call, repr(lora_config), dtype)
+    def cached(*args, **kwargs):
+        key = repr((args, sorted(kwargs.items())))
         if key not in seen:
-            seen[key] = trace(transformer_config, call, lora_config=lora_config, dtype=dtype)
-        return seen[key]
+            seen[key] = compute(*args, **kwargs)
+        return copy(seen[key])
 
-    memory_trace.trace_hunyuanvideo15 = cached
-    counts, frozen = phase_plan.frozen_parameter_counts, {}
+    setattr(module, name, cached)
 
-    def counted(rewards):
-        if tuple(rewards) not in frozen:
-            frozen[tuple(rewards)] = counts(list(rewards))
-        return dict(frozen[tuple(rewards)])
 
-    phase_plan.frozen_parameter_counts = counted
+def _memoized_traces() -> None:
+    _memoized(memory_trace, "trace_hunyuanvideo15")
+    _memoized(memory_trace, "trace_wan")
+    _memoized(phase_plan, "frozen_parameter_counts", dict)
+    _memoized(phase_plan, "wan_frozen_parameter_counts", dict)
 
 
 def rows(mfu: float, gpu: str) -> list[str]:
@@ -61,10 +65,10 @@ def rows(mfu: float, gpu: str) -> list[str]:
         "| config | nodes x GPUs | lever | FLOPs / iteration | GPU-hours / iteration | traced peak | fits 80 GB |",
         "|---|---|---|---|---|---|---|",
     ]
-    for path in sorted((REPO / "configs").glob("hunyuanvideo15_*.yaml")):
+    for path in sorted(path for pattern in CONFIGS for path in (REPO / "configs").glob(pattern)):
         kind = next(k for k in ("720p", "lora", "full") if k in path.stem)
         gpus_per_node, nodes = LAYOUTS[kind]
-        for lever, overrides in LEVERS.items():
+        for lever, overrides in levers(path.name).items():
             if lever and path.name not in LEVERED:
                 continue
             config = load_run_config(path, overrides)

@@ -30,16 +30,21 @@ torch = lazy_module("torch", globals())
 class StepTrace:
     """``peak``: the most bytes alive at once during the step beyond those alive when it began; ``flops``: the
     step's FLOPs as ``torch.utils.flop_counter`` counts them (matmuls, convolutions, attention; forward and, for a
-    training step, backward)."""
+    training step, backward); ``gathered``: the bytes of the module's parameters the step read, which ZeRO-3
+    gathers for it (block by block, each released after use)."""
 
     peak: int
     flops: int
+    gathered: int = 0
 
     def __add__(self, other: StepTrace) -> StepTrace:
-        return StepTrace(self.peak + other.peak, self.flops + other.flops)
+        return StepTrace(self.peak + other.peak, self.flops + other.flops, self.gathered + other.gathered)
+
+    def __sub__(self, other: StepTrace) -> StepTrace:
+        return StepTrace(self.peak - other.peak, self.flops - other.flops, self.gathered - other.gathered)
 
     def __mul__(self, factor: int) -> StepTrace:
-        return StepTrace(self.peak * factor, self.flops * factor)
+        return StepTrace(self.peak * factor, self.flops * factor, self.gathered * factor)
 
 
 def fake_mode():
@@ -68,13 +73,20 @@ class _Tally:
     ``torch.utils.flop_counter``'s formulas (its ``FlopCounterMode`` hooks every module to attribute FLOPs, and
     those hooks keep the activations of checkpointed blocks alive). torch's ``MemTracker`` counts storages the same
     way and attributes every byte to a module, which costs a walk over all modules per op: a minute per trace of a
-    real-size model."""
+    real-size model. ``parameters``: the bytes of each parameter storage (by id), of which the ops' inputs mark
+    those read."""
 
-    def __init__(self):
+    def __init__(self, parameters: dict[int, int]):
         self.current = 0
         self.peak = 0
         self.flops = 0
+        self.parameters = parameters
+        self.read: set[int] = set()
         self._seen: set[int] = set()
+
+    @property
+    def gathered(self) -> int:
+        return sum(self.parameters[key] for key in self.read)
 
     def add(self, tensor, inputs: set[int]) -> None:
         """Count ``tensor``'s storage unless it is one of the op's ``inputs`` (storage ids) or already counted."""
@@ -98,15 +110,18 @@ def _tallying(tally: _Tally):
     from torch.utils._pytree import tree_leaves
     from torch.utils.flop_counter import flop_registry
 
+    formulas = {**flop_registry, **_cpu_attention_formulas()}
+
     class Tallying(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             tensors = lambda tree: [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]  # noqa: E731
             inputs = {id(t.untyped_storage()) for t in tensors((args, kwargs))}
+            tally.read |= inputs & tally.parameters.keys()
             out = func(*args, **kwargs)
             for tensor in tensors(out):
                 tally.add(tensor, inputs)
-            formula = flop_registry.get(func._overloadpacket)
+            formula = formulas.get(func._overloadpacket)
             if formula is not None:
                 tally.flops += formula(*args, **kwargs, out_val=out)
             return out
@@ -114,12 +129,32 @@ def _tallying(tally: _Tally):
     return Tallying()
 
 
+def _cpu_attention_formulas() -> dict:
+    """FLOPs of the CPU flash attention that SDPA dispatches to on fake CPU tensors, which ``flop_registry`` leaves
+    out (it counts the CUDA kernels the same call runs on a GPU): the registry's own SDPA counts, forward and
+    backward."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    aten = torch.ops.aten
+
+    def forward(query, key, value, *args, **kwargs) -> int:
+        return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+    def backward(grad_out, query, key, value, *args, **kwargs) -> int:
+        return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+    return {
+        aten._scaled_dot_product_flash_attention_for_cpu: forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+    }
+
+
 def trace_step(mode, module: torch.nn.Module, call: Callable[[], object], *, train: bool) -> StepTrace:
     """Run ``call()`` (which calls ``module``) once under ``mode`` (``fake_mode()``, in which ``module`` and the
     call's inputs were made) and count it. ``train``: ``call`` returns a tensor whose sum is backpropagated, and each
     parameter's gradient is dropped once it has accumulated, as ZeRO-3 reduces it away."""
     drops = [p.register_post_accumulate_grad_hook(_drop_grad) for p in module.parameters() if train and p.requires_grad]
-    tally = _Tally()
+    tally = _Tally({id(p.untyped_storage()): p.untyped_storage().nbytes() for p in module.parameters()})
     try:
         with mode, _tallying(tally):
             with contextlib.nullcontext() if train else torch.no_grad():
@@ -130,7 +165,7 @@ def trace_step(mode, module: torch.nn.Module, call: Callable[[], object], *, tra
     finally:
         for handle in drops:
             handle.remove()
-    return StepTrace(peak=tally.peak, flops=tally.flops)
+    return StepTrace(peak=tally.peak, flops=tally.flops, gathered=tally.gathered)
 
 
 def _drop_grad(param) -> None:
@@ -144,8 +179,7 @@ def over_depth(trace_at: Callable[[int], StepTrace], depth: int) -> StepTrace:
     if depth <= 3:
         return trace_at(depth)
     two, three = trace_at(2), trace_at(3)
-    per_block = StepTrace(three.peak - two.peak, three.flops - two.flops)
-    return two + per_block * (depth - 2)
+    return two + (three - two) * (depth - 2)
 
 
 def parameter_count(build: Callable[[], torch.nn.Module]) -> int:
@@ -204,6 +238,97 @@ def trace_hunyuanvideo15(transformer_config: dict, call: TransformerCall, *, lor
         )
 
     return over_depth(at, depth)
+
+
+# Wan's text side: UMT5 prompt embeddings padded to the pipeline's max_sequence_length (512), which every block
+# attends to by cross-attention; they do not join the video tokens' self-attention.
+WAN_TEXT_TOKENS = 512
+
+
+def trace_wan(
+    expert_configs: dict[str, dict], call: TransformerCall, *, expert: str, lora_config=None, dtype=None
+) -> StepTrace:
+    """One call of Wan's transformer built from ``expert_configs`` (an expert's name -> its transformer config) in
+    ``dtype`` (bf16 by default), as the run makes it: with two experts (``high`` and ``low``, Wan 2.2 A14B) both are
+    built, as one ``core.models.wan_experts.WanExperts``, and ``expert`` runs (its gradient checkpointing and LoRA
+    adapter as configured; the other stays frozen); with one (``transformer``), that one. ``call.latent_grid`` is the
+    latent grid (frames, height, width) before patching; ``call.text_tokens`` one entry, the prompt's tokens. Traced
+    at two and three blocks and extrapolated to the expert's depth."""
+    from diffusers import WanTransformer3DModel
+
+    dtype = torch.bfloat16 if dtype is None else dtype
+    depth = {**init_defaults(WanTransformer3DModel), **expert_configs[expert]}["num_layers"]
+
+    def at(blocks: int) -> StepTrace:
+        mode = fake_mode()
+        with mode, default_dtype(dtype):
+            experts = {
+                name: WanTransformer3DModel.from_config({**config, "num_layers": blocks}).requires_grad_(False)
+                for name, config in expert_configs.items()
+            }
+            running = experts[expert]
+            if call.train:
+                _make_trainable(running, lora_config)
+            if call.checkpointing:
+                running.enable_gradient_checkpointing()
+            inputs = _wan_inputs(running.config, call, dtype)
+        if len(experts) == 1:
+            model, forward = running, lambda: running(**inputs, return_dict=False)[0]
+        else:
+            from sage_grpo.core.models.wan_experts import WanExperts
+
+            model = WanExperts(experts["high"], experts["low"])
+            forward = lambda: model(expert=expert, **inputs, return_dict=False)[0]  # noqa: E731
+        with _wan_sequence_share(running, call.sequence_parallel, inputs["hidden_states"]):
+            return trace_step(mode, model, forward, train=call.train)
+
+    return over_depth(at, depth)
+
+
+def _make_trainable(transformer, lora_config) -> None:
+    """Train ``transformer`` as the run does: its LoRA adapter (``lora_config`` enabled), or all of it."""
+    from sage_grpo.core.lora import add_lora
+
+    if lora_config is not None and lora_config.enabled:
+        with _adapters_made_in_place():
+            add_lora(transformer, lora_config)
+    else:
+        transformer.requires_grad_(True)
+
+
+def _wan_inputs(config, call: TransformerCall, dtype) -> dict:
+    """Fake inputs of one call, shaped as ``WanAdapter.predict_velocity`` makes them (text-to-video)."""
+    (text,) = call.text_tokens
+    return {
+        "hidden_states": torch.empty(call.batch, config.in_channels, *call.latent_grid, dtype=dtype),
+        "timestep": torch.empty(call.batch, dtype=torch.float32),  # the pipeline's timesteps stay float32
+        "encoder_hidden_states": torch.empty(call.batch, text, config.text_dim, dtype=dtype),
+    }
+
+
+@contextlib.contextmanager
+def _wan_sequence_share(transformer, k: int, hidden_states):
+    """What one rank of a Ulysses group of K holds, as diffusers' Wan ``_cp_plan`` splits it: the rotary tables and
+    the first block's input narrowed to 1/K of the tokens (once: a checkpointed block's recomputation gets its saved,
+    already split input), the output projection's tokens gathered whole. (Ulysses attends over all tokens of 1/K of
+    the heads: the same bytes as all heads of 1/K of the tokens.)"""
+    if k == 1:
+        yield
+        return
+    p_t, p_h, p_w = transformer.config.patch_size
+    _, _, frames, height, width = hidden_states.shape
+    tokens = (frames // p_t) * (height // p_h) * (width // p_w)
+    share = lambda t: t.narrow(1, 0, t.shape[1] // k) if t.shape[1] == tokens else t  # noqa: E731
+    handles = [
+        transformer.rope.register_forward_hook(lambda module, args, out: tuple(share(t) for t in out)),
+        transformer.blocks[0].register_forward_pre_hook(lambda module, args: (share(args[0]), *args[1:])),
+        transformer.proj_out.register_forward_hook(lambda module, args, out: torch.cat([out] * k, dim=1)),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @contextlib.contextmanager

@@ -8,12 +8,17 @@ as bf16 tensors placed the way the ZeRO stage places parameters. Activations are
 ``sagegrpo plan CONFIG [key=value ...]`` validates the config with the run schema (``pipeline.config``), so the
 plan sees exactly the values (and defaults) a run would, and reads:
 
-- ``model.name``: only the HunyuanVideo 1.5 transformer is modelled (``hunyuan15``); tiny and other models are refused.
-- ``model.pretrained``: when it is a local diffusers folder, ``transformer/config.json`` gives the architecture;
-  otherwise diffusers' default config, which is the 8.3B release, is counted.
+- ``model.name``: the HunyuanVideo 1.5 transformer (``hunyuan15``) and Wan (``wan``: one transformer, or Wan 2.2
+  A14B's two experts, both counted, each step's expert by ``WanPipeline``'s boundary rule); tiny and other models are
+  refused.
+- ``model.pretrained``: when it is a local diffusers folder, ``transformer/config.json`` (and Wan's
+  ``transformer_2/config.json`` and ``model_index.json``) give the architecture; otherwise diffusers' default config,
+  which is the 8.3B release for HunyuanVideo 1.5 and the 14B for Wan (a Wan hub id must name A14B: both experts).
+- ``model.train_experts`` (two-expert Wan): gradients, optimizer state and the anchor for the trained experts only.
 - ``model.guidance_scale`` (1.0): above 1 the conditional and unconditional branches run as one batch, which doubles
   the activations.
-- ``model.kwargs.num_frames`` / ``height`` / ``width`` (``VIDEO_DEFAULTS`` where unset: 81 x 480 x 848).
+- ``model.kwargs.num_frames`` / ``height`` / ``width`` (``VIDEO_DEFAULTS`` where unset: 81 x 480 x 848, Wan's
+  81 x 480 x 832).
 - ``lora``: validated by ``core.lora.LoraConfig``; the adapter is really attached, on the meta device, so the
   trainable count is peft's own.
 - ``deepspeed.config`` (``zero3``): a name in ``deepspeed_configs/`` or a JSON path, for ``zero_optimization.stage``
@@ -55,12 +60,19 @@ ACTIVATION_BYTES_PER_HIDDEN = 34
 # 729 SigLIP image slots (zeroed for text-to-video, but still in the sequence), the diffusers pipeline's padding.
 HUNYUANVIDEO15_CONTEXT_TOKENS = 1000 + 256 + 729
 
-# The video size the planner counts where the config's model.kwargs do not set it: the adapter's 81 frames
-# (core/models/hunyuan15.py) at the 480p release's default size.
+# The video size the planner counts where the config's model.kwargs do not set it: the adapters' defaults
+# (core/models/hunyuan15.py: 81 frames at the 480p release's size; core/models/wan.py).
 VIDEO_DEFAULTS = {"num_frames": 81, "height": 480, "width": 848}
+WAN_VIDEO_DEFAULTS = {"num_frames": 81, "height": 480, "width": 832}
 
-# HunyuanVideo 1.5's VAE compresses 4x in time (keeping the first frame) and 16x in space; the patch size is 1.
+# One token per 4 frames (keeping the first) and 16x16 pixels: HunyuanVideo 1.5's VAE compresses 4x in time and 16x
+# in space with patch size 1, Wan's 4x and 8x with 2x2 patches.
 VAE_TEMPORAL, VAE_SPATIAL = 4, 16
+
+# Wan 2.2 T2V-A14B's published checkpoint (Wan-AI/Wan2.2-T2V-A14B-Diffusers), counted where model.pretrained is not
+# a local folder: both experts have diffusers' default WanTransformer3DModel config (the 14B: 40 blocks of 40 heads
+# of 128), switched at its model_index.json's boundary_ratio.
+WAN22_A14B_BOUNDARY_RATIO = 0.875
 
 # Memory outside model states and stored activations: CUDA context and NCCL buffers (~2-3 GiB), allocator
 # fragmentation, the frozen VAE and reward model at rollout time, and the transient peak of the block being
@@ -79,6 +91,7 @@ class TransformerShape:
     num_heads: int
     num_layers: int
     latent_channels: int
+    patch: tuple[int, int, int] = (1, 1, 1)  # latent elements per token: (frames, height, width)
 
 
 def hunyuanvideo15_shape(
@@ -115,10 +128,117 @@ def hunyuanvideo15_shape(
     )
 
 
+@dataclass(frozen=True)
+class WanCheckpoint:
+    """A Wan checkpoint's transformers by expert name, ``high`` and ``low`` (Wan 2.2 A14B's ``transformer`` and
+    ``transformer_2``) or ``transformer`` alone, each's config; and the boundary between two experts."""
+
+    experts: dict[str, dict]
+    boundary_ratio: float | None = None
+
+
+def wan_checkpoint(pretrained: str | None) -> WanCheckpoint:
+    """The transformers of a local diffusers folder (its model_index.json says whether a ``transformer_2`` runs), or
+    Wan 2.2 A14B's published configs for a hub id that names A14B."""
+    folder = Path(pretrained or "")
+    index = folder / "model_index.json"
+    if pretrained and index.is_file():
+        model_index = json.loads(index.read_text())
+        read = lambda part: json.loads((folder / part / "config.json").read_text())  # noqa: E731
+        if (model_index.get("transformer_2") or [None])[0] is None:
+            return WanCheckpoint({"transformer": read("transformer")})
+        return WanCheckpoint({"high": read("transformer"), "low": read("transformer_2")}, model_index["boundary_ratio"])
+    if "a14b" in (pretrained or "").lower():
+        return WanCheckpoint({"high": {}, "low": {}}, WAN22_A14B_BOUNDARY_RATIO)
+    raise UserError(
+        f"model.pretrained {pretrained!r}: the planner counts Wan from a local diffusers folder, or from Wan 2.2 "
+        "A14B's published configs for a hub id naming A14B"
+    )
+
+
+def wan_shape(
+    checkpoint: WanCheckpoint,
+    lora_config=None,
+    train_experts: list[str] | None = None,
+    zero3_leaf_modules: str | list[str] = "auto",
+) -> TransformerShape:
+    """Count Wan's transformers built on the meta device, both experts of a two-expert checkpoint as the run holds
+    them (``core.models.wan_experts.WanExperts``, one ZeRO-3 engine over both): the trainable count is the trained
+    experts' (``train_experts``, None: all), their LoRA adapters' where ``lora_config`` is enabled; the largest
+    gathered layer is one expert's block (a forward gathers only its expert)."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from sage_grpo.core.lora import add_lora
+    from sage_grpo.core.models.wan_experts import WanExperts
+
+    with torch.device("meta"):
+        experts = {name: WanTransformer3DModel.from_config(config) for name, config in checkpoint.experts.items()}
+    model = WanExperts(experts["high"], experts["low"]) if len(experts) == 2 else experts["transformer"]
+    param_count = sum(p.numel() for p in model.parameters())
+    largest = largest_gathered(model, zero3_leaf_modules)
+    trainable_count = 0
+    for name in train_experts or experts:
+        if lora_config is not None and lora_config.enabled:
+            add_lora(experts[name], lora_config)
+        trainable_count += sum(p.numel() for p in experts[name].parameters() if p.requires_grad)
+    config = next(iter(experts.values())).config
+    return TransformerShape(
+        param_count=param_count,
+        trainable_count=trainable_count,
+        largest_layer_params=largest,
+        hidden_size=config.num_attention_heads * config.attention_head_dim,
+        num_heads=config.num_attention_heads,
+        num_layers=config.num_layers,
+        latent_channels=config.out_channels or config.in_channels,
+        patch=tuple(config.patch_size),
+    )
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Which expert runs each of the T steps of a run's schedule (``transformer`` throughout for one transformer), and
+    which steps train (the SDE window, less the steps of experts ``model.train_experts`` leaves out)."""
+
+    step_experts: tuple[str, ...]
+    trained: tuple[bool, ...]
+
+    @property
+    def trained_count(self) -> int:
+        return sum(self.trained)
+
+
+def schedule(config, boundary_ratio: float | None = None) -> Schedule:
+    """The schedule of a validated run config; with a ``boundary_ratio``, two experts split it by ``WanPipeline``'s
+    rule (``core.models.wan.WanAdapter.expert_index``: ``high`` where the float32 timestep is at or above the
+    boundary's), and a trained expert without a trained step is refused as the run refuses it
+    (``stages.rollout.check_every_trained_expert_trains``)."""
+    import torch
+
+    from sage_grpo.core.sde import flow_match_sigmas
+
+    sde = config.sde
+    sigmas = flow_match_sigmas(sde.steps, sde.shift)
+    if boundary_ratio is None:
+        experts = ["transformer"] * sde.steps
+    else:
+        high = sigmas[:-1].to(torch.float32) * 1000 >= boundary_ratio * 1000
+        experts = ["high" if is_high else "low" for is_high in high.tolist()]
+    trained_experts = set(config.model.train_experts or experts)
+    trained = [bool(on) and expert in trained_experts for on, expert in zip(sde.trained_steps_mask(sigmas), experts)]
+    idle = sorted(trained_experts - {expert for expert, on in zip(experts, trained) if on})
+    if boundary_ratio is not None and idle:
+        raise UserError(
+            f"the {idle[0]!r} expert is trained (model.train_experts) but no trained step of this schedule is its "
+            f"(sde.window {sde.window}): leave it out of model.train_experts"
+        )
+    return Schedule(tuple(experts), tuple(trained))
+
+
 def video_tokens(frames: int, height: int, width: int) -> int:
-    """Latent tokens of one video: (frames-1)/4+1 latent frames of (H/16) x (W/16), patch size 1."""
+    """Tokens of one video: (frames-1)/4+1 latent frames of (H/16) x (W/16) patches."""
     if frames < 1 or (frames - 1) % VAE_TEMPORAL:
-        raise UserError(f"frames must be 4k+1 for HunyuanVideo 1.5's VAE, got {frames}")
+        raise UserError(f"frames must be 4k+1 for the VAE, got {frames}")
     if height % VAE_SPATIAL or width % VAE_SPATIAL:
         raise UserError(f"height and width must be multiples of {VAE_SPATIAL}, got {height}x{width}")
     return ((frames - 1) // VAE_TEMPORAL + 1) * (height // VAE_SPATIAL) * (width // VAE_SPATIAL)
@@ -559,6 +679,17 @@ def plan_from_config(
     return plan_for(load_run_config(config_path, overrides), gpus_per_node, nodes, gpu_mem_gb, sequence_parallel)
 
 
+def model_family(config) -> str:
+    """``hunyuan15`` or ``wan``: the transformers the planners model; UserError for any other model."""
+    name = config.model.name.lower()
+    if name in ("hunyuan15", "wan"):
+        return name
+    raise UserError(
+        f"model.name {config.model.name!r}: the planner only models the HunyuanVideo 1.5 transformer (hunyuan15) "
+        "and Wan (wan)"
+    )
+
+
 def plan_for(
     config, gpus_per_node: int, nodes: int, gpu_mem_gb: float, sequence_parallel: int | None = None
 ) -> MemoryPlan:
@@ -569,20 +700,21 @@ def plan_for(
             f"got {gpus_per_node} and {nodes}"
         )
     model, update = config.model, config.update
-    if "hunyuan" not in model.name.lower() or model.name.lower().startswith("tiny"):
-        raise UserError(
-            f"model.name {model.name!r}: the planner only models the HunyuanVideo 1.5 transformer (hunyuan15)"
-        )
-    shape = hunyuanvideo15_shape(
-        _transformer_config(model.pretrained), config.lora, config.deepspeed.zero3_leaf_modules
-    )
+    leaves = config.deepspeed.zero3_leaf_modules
+    if model_family(config) == "wan":
+        checkpoint = wan_checkpoint(model.pretrained)
+        shape = wan_shape(checkpoint, config.lora, model.train_experts, leaves)
+        steps, video, context = schedule(config, checkpoint.boundary_ratio), WAN_VIDEO_DEFAULTS, 0
+    else:
+        shape = hunyuanvideo15_shape(_transformer_config(model.pretrained), config.lora, leaves)
+        steps, video, context = schedule(config), VIDEO_DEFAULTS, HUNYUANVIDEO15_CONTEXT_TOKENS
     zero_stage, offload_optimizer, offload_param = _zero_settings(config.deepspeed.config)
-    video = {**VIDEO_DEFAULTS, **model.kwargs}
+    video = {**video, **model.kwargs}
     frames, height, width = (int(video[key]) for key in ("num_frames", "height", "width"))
     cfg_branches = 2 if model.guidance_scale > 1 else 1
     samples = config.rollout.samples_per_rank
-    latent_elements = shape.latent_channels * video_tokens(frames, height, width)
-    trained = config.sde.trained_step_count * samples // update.updates_per_rollout
+    latent_elements = shape.latent_channels * math.prod(shape.patch) * video_tokens(frames, height, width)
+    trained = steps.trained_count * samples // update.updates_per_rollout
     region = config.trust_region
     lagged = region.uses_stepwise_kl and config.trust_region.velocity_estimator == "lagged"
     workload = Workload(
@@ -591,6 +723,7 @@ def plan_for(
         frames=frames,
         height=height,
         width=width,
+        context_tokens=context,
         batch=update.micro_batch_size * cfg_branches,
         anchor_offload=config.trust_region.anchor_offload,
         rollout=rollout_bytes(samples, config.sde.steps, latent_elements),

@@ -10,20 +10,26 @@ for the CUDA context, NCCL and fragmentation) plus what the phase holds and what
   forward and backward (gradient checkpointing and LoRA as configured);
 - evaluation: one no-grad call at the evaluation's batch.
 
+Two-expert Wan 2.2 A14B: both experts' ZeRO-3 shards live throughout (one engine holds both); each step's call is
+its expert's (``WanPipeline``'s boundary rule), traced with the other expert built beside it, so the trace shows what
+a forward gathers: its own expert's parameters only. Only the trained experts' steps train (``model.train_experts``).
+
 Not traced: VAE decode's and the reward model's activations (a tiled decode takes minutes on fake tensors; the
-reward is a plugin); their weights are counted. FLOPs are the transformer's; a sequence-parallel rank does 1/K of
-its group's.
+reward is a plugin); their weights are counted. FLOPs are the transformer's, each step's expert's; a
+sequence-parallel rank does 1/K of its group's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 
 from sage_grpo.core import flops as flop_math
 from sage_grpo.core import memory_trace
 from sage_grpo.pipeline import memory_plan
+from sage_grpo.stages import engine
 
-GIB = memory_plan.GIB
+GIB, BF16_BYTES = memory_plan.GIB, memory_plan.BF16_BYTES
 # CUDA context (~0.5-1 GiB), NCCL buffers (~1-2 GiB) and allocator fragmentation: a default, not a measurement.
 RESERVE_GB = 4.0
 # The hand formula and the trace disagree when their activations differ by more than this fraction.
@@ -55,17 +61,46 @@ QWEN2_VL_2B = {
 }
 
 
+# Wan's text encoder, UMT5-XXL's encoder (google/umt5-xxl, the text_encoder of every Wan 2.1 / 2.2 diffusers
+# checkpoint), counted from its published config; Wan 2.2 A14B's VAE is Wan 2.1's, diffusers' AutoencoderKLWan defaults.
+UMT5_XXL = {
+    "vocab_size": 256384,
+    "d_model": 4096,
+    "d_kv": 64,
+    "d_ff": 10240,
+    "num_layers": 24,
+    "num_heads": 64,
+    "feed_forward_proj": "gated-gelu",
+    "tie_word_embeddings": False,
+}
+
+
+def wan_frozen_parameter_counts(reward_names: list[str]) -> dict[str, int]:
+    """Parameters of the frozen models a Wan rank holds, counted on the meta device from their configs."""
+    from diffusers import AutoencoderKLWan
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    count = memory_trace.parameter_count
+    counts = {
+        "text encoders": count(lambda: UMT5EncoderModel(UMT5Config(**UMT5_XXL, is_encoder_decoder=False))),
+        "VAE": count(AutoencoderKLWan),
+    }
+    return counts | _reward_counts(reward_names)
+
+
+def _reward_counts(reward_names: list[str]) -> dict[str, int]:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    if "videoalign" not in reward_names:
+        return {}
+    model = lambda: Qwen2VLForConditionalGeneration(Qwen2VLConfig(**QWEN2_VL_2B))  # noqa: E731
+    return {"reward (VideoAlign)": memory_trace.parameter_count(model)}
+
+
 def frozen_parameter_counts(reward_names: list[str]) -> dict[str, int]:
     """Parameters of the frozen models a rank holds, counted on the meta device from their configs."""
     from diffusers import AutoencoderKLHunyuanVideo15
-    from transformers import (
-        Qwen2_5_VLTextConfig,
-        Qwen2_5_VLTextModel,
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        T5Config,
-        T5EncoderModel,
-    )
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 
     count = memory_trace.parameter_count
     counts = {
@@ -73,9 +108,32 @@ def frozen_parameter_counts(reward_names: list[str]) -> dict[str, int]:
         + count(lambda: T5EncoderModel(T5Config(**GLYPH_BYT5, is_encoder_decoder=False))),
         "VAE": count(AutoencoderKLHunyuanVideo15),
     }
-    if "videoalign" in reward_names:
-        counts["reward (VideoAlign)"] = count(lambda: Qwen2VLForConditionalGeneration(Qwen2VLConfig(**QWEN2_VL_2B)))
-    return counts
+    return counts | _reward_counts(reward_names)
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """Two-expert Wan 2.2 A14B: the steps each expert runs and trains, the parameters one forward gathers (its step's
+    expert only: ZeRO-3 gathers what a forward reads, block by block), and the bytes per rank that offloading the
+    idle expert would save: its bf16 parameter shard (its gradients and optimizer state, if it trains, join every
+    optimizer step). No option offloads it: both stay resident."""
+
+    steps: dict[str, int]
+    trained_steps: dict[str, int]
+    gathered: int
+    idle_shard: int
+
+    def lines(self, peak: int, gpu_mem_gb: float) -> list[str]:
+        runs = ", ".join(f"{name} {self.steps[name]} steps ({self.trained_steps[name]} trained)" for name in self.steps)
+        offloaded = peak - self.idle_shard
+        verdict = "fits" if offloaded <= gpu_mem_gb * GIB else "does NOT fit"
+        return [
+            f"  experts: both resident (their ZeRO shards are counted above); {runs}",
+            f"  a forward gathers only its step's expert: {self.gathered / GIB:.2f} GB of parameters read, block by "
+            "block; the other expert's stay sharded",
+            f"  idle expert offloaded (NOT implemented: no option does it): would save its {self.idle_shard / GIB:.2f} "
+            f"GB parameter shard per rank, peak {offloaded / GIB:.2f} GB: {verdict}",
+        ]
 
 
 @dataclass(frozen=True)
@@ -90,6 +148,7 @@ class PhasePlan:
     peak_flops: float
     gpu_name: str
     update_transient: int
+    experts: ExpertPlan | None = None
 
     @property
     def peak(self) -> int:
@@ -121,6 +180,8 @@ class PhasePlan:
         lines += [f"    {name:<22}{gb(size)}" for name, size in self.phases.items()]
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"  peak                  {gb(self.peak)}  of {layout.gpu_mem_gb:g} GB: {verdict}")
+        if self.experts is not None:
+            lines += self.experts.lines(self.peak, layout.gpu_mem_gb)
         lines.append("  not traced: VAE decode and reward activations (weights counted); host memory: decoded videos")
         agree = "disagree" if self.disagreement > DISAGREEMENT else "agree"
         lines.append(
@@ -149,30 +210,20 @@ def phase_plan(config, formula: memory_plan.MemoryPlan, *, mfu: float = 0.35, gp
         raise UserError(f"--mfu must be in (0, 1], got {mfu}")
     work, layout, states = formula.workload, formula.layout, formula.states
     k = layout.sequence_parallel
-    grid = (
-        (work.frames - 1) // memory_plan.VAE_TEMPORAL + 1,
-        work.height // memory_plan.VAE_SPATIAL,
-        work.width // memory_plan.VAE_SPATIAL,
-    )
-    transformer = memory_plan._transformer_config(config.model.pretrained) or {}
-    lora = config.lora if config.lora.enabled else None
-    update = config.update
-    batch = work.batch  # micro-batch x CFG branches: the rollout, reference, update and evaluation calls alike
-
-    def traced(k_split: int, *, train: bool) -> memory_trace.StepTrace:
-        call = memory_trace.TransformerCall(
-            batch,
-            grid,
-            train=train,
-            checkpointing=train and layout.grad_checkpointing,
-            sequence_parallel=k_split,
-        )
-        return memory_trace.trace_hunyuanvideo15(transformer, call, lora_config=lora if train else None)
-
-    forward, step = traced(k, train=False), traced(k, train=True)
-    whole_forward, whole_step = (forward, step) if k == 1 else (traced(1, train=False), traced(1, train=True))
+    model = _TracedModel.of(config, formula)
+    forward = {name: model.trace(name, k, train=False) for name in model.running}
+    step = {name: model.trace(name, k, train=True) for name in model.trained}
+    whole_forward = forward if k == 1 else {name: model.trace(name, 1, train=False) for name in model.running}
+    whole_step = step if k == 1 else {name: model.trace(name, 1, train=True) for name in model.trained}
+    forward_peak = max(trace.peak for trace in forward.values())
+    step_peak = max(trace.peak for trace in step.values())
     dtype_bytes = 2 if config.model.dtype != "float32" else 4
-    frozen = frozen_parameter_counts([spec.name for spec in config.rewards])
+    rewards = [spec.name for spec in config.rewards]
+    if model.family == "wan":
+        # Wan's VAE runs in float32 whatever the model's dtype (core/models/wan.py).
+        frozen, float32 = wan_frozen_parameter_counts(rewards), {"VAE"}
+    else:
+        frozen, float32 = frozen_parameter_counts(rewards), set()
     if config.model.kwargs.get("offload_text_encoder"):
         frozen.pop("text encoders")
     resident = {
@@ -180,24 +231,25 @@ def phase_plan(config, formula: memory_plan.MemoryPlan, *, mfu: float = 0.35, gp
         "gradients (ZeRO)": states.gradients,
         "optimizer (ZeRO)": states.optimizer,
         "KL anchor": formula.anchor,
-        **{name: count * dtype_bytes for name, count in frozen.items()},
+        **{name: count * (4 if name in float32 else dtype_bytes) for name, count in frozen.items()},
         "reserve": int(RESERVE_GB * GIB),
     }
     base = sum(resident.values())
     phases = {
-        "rollout step": base + work.rollout + forward.peak,
+        "rollout step": base + work.rollout + forward_peak,
         "VAE decode": base + work.rollout,
         "scoring": base + work.rollout,
-        "update micro-step": base + work.rollout + work.references + max(step.peak, forward.peak),
-        "evaluation": base + forward.peak,
+        "update micro-step": base + work.rollout + work.references + max(step_peak, forward_peak),
+        "evaluation": base + forward_peak,
     }
-    samples = config.rollout.samples_per_rank
-    calls = samples // update.micro_batch_size
-    trained = config.sde.trained_step_count
+    calls = config.rollout.samples_per_rank // config.update.micro_batch_size
     references = _reference_count(config)
-    group_flops = calls * (
-        config.sde.steps * whole_forward.flops + trained * (whole_step.flops + references * whole_forward.flops)
-    )
+    group_flops = 0
+    for expert, trained in zip(model.schedule.step_experts, model.schedule.trained):
+        group_flops += whole_forward[expert].flops
+        if trained:
+            group_flops += whole_step[expert].flops + references * whole_forward[expert].flops
+    group_flops *= calls
     return PhasePlan(
         formula=formula,
         resident=resident,
@@ -206,8 +258,98 @@ def phase_plan(config, formula: memory_plan.MemoryPlan, *, mfu: float = 0.35, gp
         mfu=mfu,
         peak_flops=peak_flops,
         gpu_name=gpu_name,
-        update_transient=step.peak,
+        update_transient=step_peak,
+        experts=model.expert_plan(forward, layout) if len(model.running) > 1 else None,
     )
+
+
+@dataclass
+class _TracedModel:
+    """The run's transformer(s) as the trace builds them, and the steps each runs and trains."""
+
+    family: str
+    experts: dict[str, dict]  # expert name -> transformer config
+    schedule: memory_plan.Schedule
+    grid: tuple[int, int, int]
+    batch: int  # micro-batch x CFG branches: the rollout, reference, update and evaluation calls alike
+    text_tokens: tuple[int, ...]
+    checkpointing: bool
+    lora: object
+    param_count: int
+    _traces: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, config, formula: memory_plan.MemoryPlan) -> _TracedModel:
+        work, shape = formula.workload, formula.workload.shape
+        _, p_h, p_w = shape.patch
+        grid = (
+            (work.frames - 1) // memory_plan.VAE_TEMPORAL + 1,
+            work.height // memory_plan.VAE_SPATIAL * p_h,
+            work.width // memory_plan.VAE_SPATIAL * p_w,
+        )
+        family = memory_plan.model_family(config)
+        if family == "wan":
+            checkpoint = memory_plan.wan_checkpoint(config.model.pretrained)
+            experts, boundary = checkpoint.experts, checkpoint.boundary_ratio
+            text = (int(config.model.kwargs.get("max_sequence_length", memory_trace.WAN_TEXT_TOKENS)),)
+        else:
+            experts = {"transformer": memory_plan._transformer_config(config.model.pretrained) or {}}
+            boundary, text = None, tuple(memory_trace.HUNYUANVIDEO15_TEXT_TOKENS.values())
+        return cls(
+            family=family,
+            experts=experts,
+            schedule=memory_plan.schedule(config, boundary),
+            grid=grid,
+            batch=work.batch,
+            text_tokens=text,
+            checkpointing=formula.layout.grad_checkpointing,
+            lora=config.lora if config.lora.enabled else None,
+            param_count=shape.param_count,
+        )
+
+    @property
+    def running(self) -> list[str]:
+        """The experts the rollout runs, in the order of their first step."""
+        return list(dict.fromkeys(self.schedule.step_experts))
+
+    @property
+    def trained(self) -> list[str]:
+        trained = [expert for expert, on in zip(self.schedule.step_experts, self.schedule.trained) if on]
+        return list(dict.fromkeys(trained)) or self.running[:1]
+
+    def trace(self, expert: str, k: int, *, train: bool) -> memory_trace.StepTrace:
+        """One call of ``expert`` on 1/``k`` of the tokens, traced once per distinct expert config."""
+        key = (json.dumps(self.experts[expert], sort_keys=True, default=str), k, train)
+        if key not in self._traces:
+            call = memory_trace.TransformerCall(
+                self.batch,
+                self.grid,
+                train=train,
+                checkpointing=train and self.checkpointing,
+                sequence_parallel=k,
+                text_tokens=self.text_tokens,
+            )
+            lora = self.lora if train else None
+            if self.family == "wan":
+                self._traces[key] = memory_trace.trace_wan(self.experts, call, expert=expert, lora_config=lora)
+            else:
+                self._traces[key] = memory_trace.trace_hunyuanvideo15(self.experts[expert], call, lora_config=lora)
+        return self._traces[key]
+
+    def expert_plan(self, forward: dict[str, memory_trace.StepTrace], layout) -> ExpertPlan:
+        shard = BF16_BYTES * self.param_count // len(self.experts)
+        if engine.partitions_parameters(layout.zero_stage):
+            shard = 0 if layout.offload_param else shard // layout.gpus
+        steps = self.schedule.step_experts
+        return ExpertPlan(
+            steps={name: steps.count(name) for name in self.experts},
+            trained_steps={
+                name: sum(on for expert, on in zip(steps, self.schedule.trained) if expert == name)
+                for name in self.experts
+            },
+            gathered=max(trace.gathered for trace in forward.values()),
+            idle_shard=shard,
+        )
 
 
 def _reference_count(config) -> int:

@@ -203,3 +203,28 @@ def test_key_padding_attention_gives_diffusers_velocity_at_k_1():
             block.attn.set_processor(HunyuanVideo15AttnProcessor2_0())
         theirs = adapter.predict_velocity(latents, sigma, embeddings)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+class _Attention(torch.nn.Module):
+    """SDPA on a scaled query: a parameter for the training step to reach, and no other FLOPs."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, query):
+        return torch.nn.functional.scaled_dot_product_attention(query * self.scale, query, query)
+
+
+def test_attention_flops_are_counted_on_fake_cpu_tensors():
+    # On fake CPU tensors SDPA runs the CPU flash kernel, which torch's flop registry leaves out: without a formula
+    # for it, attention (about half a 480p video transformer's FLOPs) would count 0.
+    batch, heads, tokens, head_dim = 2, 4, 96, 32
+    mode = memory_trace.fake_mode()
+    with mode:
+        module, query = _Attention(), torch.empty(batch, heads, tokens, head_dim)
+    forward = memory_trace.trace_step(mode, module, lambda: module(query), train=False).flops
+    # Two matmuls of [S, D] x [D, S] and [S, S] x [S, D] per head, 2 FLOPs a multiply-add.
+    assert forward == 4 * batch * heads * tokens**2 * head_dim
+    # The backward: torch's own SDPA formula, 2.5 times the forward.
+    assert memory_trace.trace_step(mode, module, lambda: module(query), train=True).flops == 3.5 * forward
