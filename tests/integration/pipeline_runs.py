@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO
+from tests.helpers import worker_environment as environment  # a run's environment is any worker's
+
 DEMO = REPO / "configs" / "demo.yaml"
 
 # The demo, shortened: 4 SDE steps, 2 prompts x group 2 per rank, evaluation and checkpoints every 2 iterations.
@@ -32,17 +33,6 @@ HACKING = [
     "eval.guard.min_judge_drop=0.001",
 ]
 CONTRAST_JUDGE = "eval.judges=[{name: 'tests.fixtures.user_rewards.judges:Contrast'}]"
-
-
-def environment(**extra: str) -> dict[str, str]:
-    return {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONUNBUFFERED": "1",
-        **extra,
-    }
 
 
 def cli_command(*arguments: str) -> list[str]:
