@@ -36,7 +36,7 @@ from sage_grpo.core.errors import UserError
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 BASE_CONFIG = REPOSITORY / "configs" / "toyworld.yaml"
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "sweep"  # results/ beside it: the retired loop's
 DEFAULT_WORK = REPOSITORY / "runs" / "toyworld-sweep"  # checkpoints, MLflow stores, videos: never committed
 
 # What the evaluations report, gold first. A judge is logged as eval/judge/<name>, a zero-weight reward as eval/<name>.
