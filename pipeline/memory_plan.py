@@ -345,10 +345,11 @@ def largest_gathered(model, zero3_leaf_modules: str | list[str]) -> int:
     return max(blocks + others)
 
 
-def rollout_bytes(samples: int, steps: int, latent_elements: int) -> int:
+def rollout_bytes(samples: int, steps: int, latent_elements: int, *, means: bool = False) -> int:
     """GPU bytes of one rank's rollout, held through its update: each sample's float32 latents before and after every
-    step (stages/rollout.py)."""
-    return FP32_BYTES * latent_elements * samples * (steps + 1)
+    step, and with ``means`` every step's mean too (recorded for the lagged reference: ``Updater.reads_rollout_means``,
+    stages/rollout.py)."""
+    return FP32_BYTES * latent_elements * samples * (steps + 1 + (steps if means else 0))
 
 
 def reference_bytes(transitions_per_update: int, latent_elements: int, references: int) -> int:
@@ -726,7 +727,9 @@ def plan_for(
         context_tokens=context,
         batch=update.micro_batch_size * cfg_branches,
         anchor_offload=config.trust_region.anchor_offload,
-        rollout=rollout_bytes(samples, config.sde.steps, latent_elements),
+        rollout=rollout_bytes(
+            samples, config.sde.steps, latent_elements, means=lagged and update.updates_per_rollout > 1
+        ),
         references=reference_bytes(trained, latent_elements, int(region.needs_anchor) + int(lagged)),
     )
     layout = Layout(

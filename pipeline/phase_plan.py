@@ -352,8 +352,10 @@ class _TracedModel:
         )
 
 
-def _reference_count(config) -> int:
-    """The KL references each trained transition's forward is joined by: the anchor's, the lagged policy's."""
-    region = config.trust_region
+def _reference_count(config) -> float:
+    """The KL reference forwards each trained transition's forward is joined by, on average: the anchor's, and the
+    lagged policy's except on the one update of U per rollout that reads it from the rollout's means (U > 1:
+    ``Updater.reads_rollout_means``)."""
+    region, updates = config.trust_region, config.update.updates_per_rollout
     lagged = region.uses_stepwise_kl and config.trust_region.velocity_estimator == "lagged"
-    return int(region.needs_anchor) + int(lagged)
+    return int(region.needs_anchor) + int(lagged) * (1 - 1 / updates if updates > 1 else 1)

@@ -80,3 +80,21 @@ def test_lagged_reference_from_the_rollouts_means_trains_as_its_forward_with_one
     # The test can fail: on each rollout's second update the policy has moved one step from the rollout's weights, so
     # the velocity KL to them is not 0 (a reference read from the wrong means, e.g. the current policy's, would be).
     assert all(update[:, 1].min() > 0 for update in read[1::2])
+
+
+def test_the_plan_counts_the_lagged_forwards_it_saves_and_the_means_it_keeps():
+    from sage_grpo.pipeline import memory_plan, phase_plan
+    from sage_grpo.pipeline.config import load_run_config
+    from tests.helpers import REPO
+
+    shipped = REPO / "configs" / "hunyuanvideo15_sage_lora.yaml"  # the paper's dual KL: anchor and lagged policy
+    plans = {}
+    for updates in (1, 2):
+        config = load_run_config(shipped, [f"update.updates_per_rollout={updates}"])
+        plans[updates] = (phase_plan._reference_count(config), memory_plan.plan_for(config, 8, 1, 80).workload)
+    # Per trained transition: the anchor's forward, and the lagged policy's on every update but the one of U that
+    # reads the rollout's means.
+    assert plans[1][0] == 2 and plans[2][0] == 1.5
+    # The rollout then keeps every step's mean beside the latents before and after every step: 20 + 21 for 21.
+    steps = 20
+    assert plans[2][1].rollout * (steps + 1) == plans[1][1].rollout * (2 * steps + 1)
