@@ -26,6 +26,7 @@ from torch.distributed import run as torch_run
 
 from sage_grpo.pipeline.cli import build_parser
 from sage_grpo.pipeline.config import MOVED_KEYS, RunConfig, load_run_config
+from sage_grpo.stages.engine import DEEPSPEED_CONFIGS, load_deepspeed_json
 
 pytestmark = [pytest.mark.unit]
 
@@ -435,3 +436,16 @@ def test_the_synopsis_shows_every_subcommand_with_every_option():
         missing += [f"sagegrpo {name} {option}" for option in sorted(_options(parser, documented=True) - flags)]
         missing += [] if shown else [f"sagegrpo {name}"]
     assert not missing, missing
+
+
+def test_the_shipped_deepspeed_configs_are_as_configuration_md_says():
+    """Their ZeRO buckets are fixed numbers, not derived from the model (a JSON of one's own may say "auto")."""
+    text = " ".join((ROOT / "docs" / "configuration.md").read_text().split())
+    said = re.search(r"fix ZeRO's bucket sizes at (\S+) elements \(the persistence threshold at (\S+)\)", text)
+    assert said, "configuration.md no longer says what the shipped JSONs fix"
+    bucket, threshold = float(said[1]), float(said[2])
+    for path in sorted(DEEPSPEED_CONFIGS.glob("*.json")):
+        zero = load_deepspeed_json(str(path))["zero_optimization"]
+        buckets = {key: zero[key] for key in zero if key.endswith("bucket_size")}
+        assert buckets and set(buckets.values()) == {bucket}, (path.name, buckets)
+        assert zero.get("stage3_param_persistence_threshold", threshold) == threshold, path.name
