@@ -1,5 +1,5 @@
-"""`sagegrpo plan` on the shipped HunyuanVideo 1.5 configs, traced at full size: per-phase peaks with the frozen
-models, GPU-hours per iteration, and a verdict the README and the configs' comments repeat."""
+"""`sagegrpo plan` on the shipped HunyuanVideo 1.5 and Wan 2.2 A14B configs, traced at full size: per-phase peaks
+with the frozen models, GPU-hours per iteration, and a verdict the docs and the configs' comments repeat."""
 
 import re
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sage_grpo.pipeline import phase_plan
-from tests.helpers import sagegrpo
+from tests.helpers import REPO, sagegrpo
 
 pytestmark = pytest.mark.slow
 
@@ -42,3 +42,31 @@ def test_the_frozen_models_are_counted_at_their_published_sizes():
     with torch.device("meta"):
         assert counts["VAE"] == sum(parameter.numel() for parameter in AutoencoderKLHunyuanVideo15().parameters())
     assert 2.1e9 < counts["reward (VideoAlign)"] < 2.3e9  # Qwen2-VL-2B
+
+
+# The shipped Wan 2.2 A14B configs on the layouts docs/scale-out.md's Wan section plans them on.
+WAN_LAYOUTS = {"configs/wan22_a14b_sage_full.yaml": ("8", "8"), "configs/wan22_a14b_sage_lora.yaml": ("8", "1")}
+
+
+@pytest.mark.parametrize("config", sorted(WAN_LAYOUTS))
+def test_the_shipped_wan_configs_fit_and_their_plans_are_the_docs(config):
+    gpus_per_node, nodes = WAN_LAYOUTS[config]
+    done = sagegrpo("plan", config, "--gpus-per-node", gpus_per_node, "--nodes", nodes)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert all(re.search(rf"^    {phase}\s+[\d.]+ GB", out, re.M) for phase in PHASES)
+    assert "a forward gathers only its step's expert" in out and "idle expert offloaded (NOT implemented" in out
+    section = (REPO / "docs" / "scale-out.md").read_text().split("## Wan 2.2 A14B")[1]
+    assert f"sagegrpo plan {config} --gpus-per-node {gpus_per_node} --nodes {nodes}" in section
+    hours = re.search(r"([\d,.]+) GPU-hours per iteration", out).group(1)
+    assert f"{_traced_peak(out):.2f} GB" in section and f" {hours} " in section
+
+
+def test_wans_frozen_models_are_counted_at_their_published_sizes():
+    from diffusers import AutoencoderKLWan
+
+    counts = phase_plan.wan_frozen_parameter_counts([])
+    assert 5.6e9 < counts["text encoders"] < 5.8e9  # UMT5-XXL's encoder
+    with torch.device("meta"):
+        assert counts["VAE"] == sum(parameter.numel() for parameter in AutoencoderKLWan().parameters())
+    assert 1.2e8 < counts["VAE"] < 1.3e8 and "reward (VideoAlign)" not in counts
