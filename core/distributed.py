@@ -100,32 +100,6 @@ class ParallelLayout:
         return self.rank % self.sequence_parallel_size
 
     @property
-    def is_sequence_leader(self) -> bool:
-        """True on the first rank of each group (on every rank without sequence parallelism)."""
-        return self.sequence_parallel_rank == 0
-
-    def on_sequence_leader(self, call):
-        """``call()`` on the first rank of this rank's group, its result on every rank of the group: work on a sample
-        done once, not K times (scoring). An exception it raises is raised on every rank of the group (instead of the
-        others waiting in the broadcast until the timeout)."""
-        if self.sequence_parallel_size == 1:
-            return call()
-        if self.mesh is None:
-            raise RuntimeError(f"{self} has no device mesh to broadcast over: ParallelLayout.build makes it")
-        outcome = None
-        if self.is_sequence_leader:
-            try:
-                outcome = ("ok", call())
-            except Exception as error:  # noqa: BLE001 - re-raised below, on every rank of the group
-                outcome = ("error", error)
-        box = [outcome]
-        dist.broadcast_object_list(box, group=self.mesh["ulysses"].get_group(), group_src=0)
-        kind, value = box[0]
-        if kind == "error":
-            raise value
-        return value
-
-    @property
     def sequence_share(self) -> slice:
         """This rank's share of work its group's K ranks would otherwise repeat (decoding and scoring the same
         videos): every K-th item from its place in the group."""
