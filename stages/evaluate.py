@@ -61,7 +61,9 @@ class HackingGuardConfig(BaseModel):
     action: Literal["disabled", "warn", "tighten", "stop"] = "warn"  # not "off": YAML reads that as false
     window: int = Field(3, ge=2)  # evaluations the trends are read over
     min_reward_rise: float = Field(0.0, ge=0)  # eval/reward's fitted change over the window must exceed this
-    min_judge_drop: float = Field(0.0, ge=0)  # and a judge's fitted change must be below minus this
+    # and a judge's fitted change must be below minus this. Not 0: a flat judge's change is never exactly 0, and on
+    # the ToyWorld's non-hacking run a -3e-5 change of gold (of 0.045) fired it (docs/rewards.md).
+    min_judge_drop: float = Field(0.001, ge=0)
     tighten_factor: float = Field(2.0, gt=1)
     # The judge dimensions watched (eval/judge/<name>); empty: every one. A dimension where lower is better (a count
     # of failures, such as the ToyWorld gold judge's "static") falls as a run improves: leave it out.
