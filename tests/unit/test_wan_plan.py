@@ -114,3 +114,18 @@ def test_the_traced_plan_counts_each_experts_steps_and_says_what_offloading_the_
     step = memory_trace.trace_wan(experts, training, expert="high").flops
     references = phase_plan._reference_count(config)
     assert plan.rank_flops == 2 * (20 * forward + 19 * (step + references * forward))
+
+
+def test_a_sequence_parallel_rank_traces_its_share_of_the_tokens(tiny_a14b):
+    folder, _ = tiny_a14b
+    experts = memory_plan.wan_checkpoint(str(folder)).experts
+    call = memory_trace.TransformerCall(2, (5, 16, 16), train=True, checkpointing=True, text_tokens=(16,))
+    peaks = {
+        k: memory_trace.trace_wan(
+            experts, dataclasses.replace(call, sequence_parallel=k), expert="low", dtype=torch.float32
+        ).peak
+        for k in (1, 2)
+    }
+    # Half the tokens through the blocks (a checkpointed block's recomputation is not split twice), the output
+    # gathered whole: well under the whole sequence's peak, above half of it.
+    assert 0.4 * peaks[1] < peaks[2] < 0.75 * peaks[1]
