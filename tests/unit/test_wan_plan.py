@@ -10,7 +10,7 @@ import torch
 from sage_grpo.core import memory_trace
 from sage_grpo.core.errors import UserError
 from sage_grpo.core.lora import LoraConfig, add_lora
-from sage_grpo.core.models.tiny import tiny_wan_pipeline
+from sage_grpo.core.models.tiny import TINY_WAN_TRANSFORMER, tiny_wan_pipeline
 from sage_grpo.pipeline import memory_plan, phase_plan
 from sage_grpo.pipeline.config import load_run_config
 
@@ -129,3 +129,36 @@ def test_a_sequence_parallel_rank_traces_its_share_of_the_tokens(tiny_a14b):
     # Half the tokens through the blocks (a checkpointed block's recomputation is not split twice), the output
     # gathered whole: well under the whole sequence's peak, above half of it.
     assert 0.4 * peaks[1] < peaks[2] < 0.75 * peaks[1]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_traced_peak_of_a_wan_expert_is_the_measured_one(checkpointing):
+    # Wan's blocks (float32 norms, rotary embedding, cross-attention to the text) at a width where activations, not
+    # the weights' gradients, make the peak: 5 x 16 x 16 tokens, CFG, forward and backward, traced as the low
+    # expert of a pair and measured on that expert alone by torch's CPU profiler.
+    from diffusers import WanTransformer3DModel
+
+    from benchmarks.traced_block_check import profiled_cpu_peak
+
+    config = TINY_WAN_TRANSFORMER | {"num_attention_heads": 4, "attention_head_dim": 16, "ffn_dim": 256}
+    call = memory_trace.TransformerCall(2, (5, 32, 32), train=True, checkpointing=checkpointing, text_tokens=(32,))
+    traced = memory_trace.trace_wan({"high": config, "low": config}, call, expert="low", dtype=torch.float32)
+    torch.manual_seed(0)
+    expert = WanTransformer3DModel.from_config(config)
+    if checkpointing:
+        expert.enable_gradient_checkpointing()
+    generator = torch.Generator().manual_seed(1)
+    shapes = memory_trace._wan_inputs(expert.config, call, torch.float32)
+    inputs = {name: torch.randn(fake.shape, generator=generator) for name, fake in shapes.items()}
+    inputs["timestep"] = torch.full_like(inputs["timestep"], 500.0)
+
+    def step():
+        expert(**inputs, return_dict=False)[0].float().sum().backward()
+
+    drops = [p.register_post_accumulate_grad_hook(memory_trace._drop_grad) for p in expert.parameters()]
+    try:
+        measured = profiled_cpu_peak(step)
+    finally:
+        for handle in drops:
+            handle.remove()
+    assert traced.peak == pytest.approx(measured, rel=0.05)  # 44025608 both, and 24779016 vs 24789128 (2026-12-06)
