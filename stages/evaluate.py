@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sage_grpo.core import distributed, plotting
 from sage_grpo.core.distributed import ParallelLayout
+from sage_grpo.core.errors import UserError
 from sage_grpo.core.hacking_guard import Divergence, divergence
 from sage_grpo.core.lazy import lazy_module
 from sage_grpo.core.rewards.base import VideoBatch
@@ -199,7 +200,9 @@ def _assembled(shards: list[dict], prompts: list[str], fps: int, out_dir: Path) 
 
 def hacking_divergence(history: list[dict[str, float]], guard: HackingGuardConfig) -> Divergence | None:
     """The guard's signal on a run's metric history: eval/reward and every eval/judge/* over the evaluations since
-    the guard last fired (so one episode acts once)."""
+    the guard last fired (so one episode acts once). A name in ``guard.judges`` that the last evaluation's judges do
+    not report is a UserError: the guard would watch nothing."""
+    _check_watched_names(history[-1] if history else {}, guard)
     since = max((i for i, metrics in enumerate(history) if GUARD_FIRED in metrics), default=-1) + 1
     evaluations = [metrics for metrics in history[since:] if "eval/reward" in metrics]
     judges = sorted({key for metrics in evaluations for key in metrics if _watched(key, guard)})
@@ -215,6 +218,17 @@ def hacking_divergence(history: list[dict[str, float]], guard: HackingGuardConfi
 def _watched(key: str, guard: HackingGuardConfig) -> bool:
     prefix = "eval/" + JUDGE_PREFIX
     return key.startswith(prefix) and (not guard.judges or key.removeprefix(prefix) in guard.judges)
+
+
+def _check_watched_names(metrics: dict[str, float], guard: HackingGuardConfig) -> None:
+    prefix = "eval/" + JUDGE_PREFIX
+    reported = sorted(key.removeprefix(prefix) for key in metrics if key.startswith(prefix))
+    unknown = [name for name in guard.judges if name not in reported]
+    if "eval/reward" in metrics and unknown:
+        raise UserError(
+            f"eval.guard.judges names {', '.join(unknown)}, which no judge reports (they report: "
+            f"{', '.join(reported) or 'nothing'})"
+        )
 
 
 def best_step(store, metric: str) -> int | None:

@@ -81,6 +81,8 @@ def test_it_watches_only_the_judge_dimensions_named():
     ]
     assert hacking_divergence(improving, HackingGuardConfig()).judge == "eval/judge/static"
     assert hacking_divergence(improving, HackingGuardConfig(judges=["gold"])) is None
+    with pytest.raises(UserError, match=r"^eval.guard.judges names gld, which no judge reports \(they report: gold, "):
+        hacking_divergence(improving, HackingGuardConfig(judges=["gld"]))
 
 
 def test_a_tightened_gradient_ratio_controller_holds_factor_times_the_ratio():
