@@ -1,6 +1,7 @@
 """One ToyWorld arm through the sweep for real: ``sagegrpo run`` in a subprocess, its embedded MLflow store read back
 (gold first), results.json and the report written, and a rerun that runs nothing. Throw-away weights (20 pretraining
-steps, in a temporary TOYWORLD_CACHE) keep it to about a minute of CPU; the numbers mean nothing, the plumbing does."""
+steps, in a temporary TOYWORLD_CACHE) keep it short (7.8 minutes wall at load average ~15 on 2 shared cores: three
+process start-ups dominate); the numbers mean nothing, the plumbing does."""
 
 import json
 import os
