@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -168,7 +169,7 @@ def markdown(results: dict, data_path: str) -> str:
         "",
         "## ToyWorld: gold against the proxy, through `sagegrpo run`",
         "",
-        f"Generated from `{data_path}` by `python -m benchmarks.toyworld.report`; the runs came from",
+        f"Generated from `{data_path}` by `python -m benchmarks.toyworld.report {data_path}`; the runs came from",
         "",
         f"    PYTHONPATH=. {results.get('command', 'python -m benchmarks.toyworld.sweep')}",
         "",
@@ -193,10 +194,25 @@ def markdown(results: dict, data_path: str) -> str:
             *verdict_table(rows),
             "",
         ]
+    pinned = pinned_weights()
+    if pinned != results["weights_sha256"]:
+        lines += [
+            f"**Measured on other weights than `configs/toyworld.yaml` pins now** (`{pinned}`): rerunning the command "
+            "now runs on those; these runs stay as the record of the earlier weights.",
+            "",
+        ]
     if missing:
         lines += ["Not run yet (their arms are missing from results.json): " + "; ".join(missing) + ".", ""]
     lines.append(END)
     return "\n".join(lines)
+
+
+def pinned_weights() -> str | None:
+    """The pretrained weights' sha256 that ``configs/toyworld.yaml`` pins today."""
+    import yaml
+
+    config = yaml.safe_load((RESULTS_MD.parents[1] / "configs" / "toyworld.yaml").read_text())
+    return config["model"].get("kwargs", {}).get("sha256")
 
 
 def replace_section(text: str, section: str) -> str:
@@ -216,8 +232,8 @@ def write(results: dict, results_md: Path = RESULTS_MD, data_path: str = DATA_PA
 
 
 def main() -> None:
-    path = Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS_JSON
-    write(json.loads(path.read_text()))
+    path = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else RESULTS_JSON
+    write(json.loads(path.read_text()), RESULTS_MD, os.path.relpath(path, RESULTS_MD.parents[1]))
 
 
 if __name__ == "__main__":
