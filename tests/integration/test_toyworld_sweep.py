@@ -1,6 +1,6 @@
 """One ToyWorld arm through the sweep for real: ``sagegrpo run`` in a subprocess, its embedded MLflow store read back
 (gold first), results.json and the report written, and a rerun that runs nothing. Throw-away weights (20 pretraining
-steps, in a temporary TOYWORLD_CACHE) keep it short (7.8 minutes wall at load average ~15 on 2 shared cores: three
+steps, in a temporary TOYWORLD_CACHE) keep it short (72 s at load average ~4 on 2 shared cores, 7.8 min at ~15: three
 process start-ups dominate); the numbers mean nothing, the plumbing does."""
 
 import json
