@@ -506,6 +506,9 @@ class SageGRPORecipe:
             self.tracker.log_artifact(self._plots(), "plots")
             self.tracker.log_artifact(self.config.output_dir / "config.json")
             self.tracker.finish("KILLED" if status == "preempted" else "FINISHED")
+        # No rank leaves before rank 0 has written: a launcher tears the job down on the first rank that exits with
+        # a non-zero code (the guard's 3, a preemption's 75), which would kill rank 0 in the middle of its export.
+        distributed.barrier()
         return RunSummary(
             status,
             self.progress.iteration,

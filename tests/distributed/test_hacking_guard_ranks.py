@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mlflow import MlflowClient
 
 from sage_grpo.core.storage import load_torch
 from sage_grpo.stages.evaluate import HACKING_STOP_EXIT_CODE
@@ -46,12 +47,22 @@ def test_tighten_acts_on_both_ranks_and_both_go_on(tmp_path):
     result = _two_ranks(tmp_path, "eval.guard.action=tighten")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    fired = [step for step, _ in metric_history(uri, only_run_id(uri), "guard/fired")]
-    assert fired and max(fired) < 10, fired
-    # Each rank tightened its own controller: a rank that had not decided alike would hold strength 1.
+    run_id = only_run_id(uri)
+    fired = [step for step, _ in metric_history(uri, run_id, "guard/fired")]
+    assert fired and max(fired) < 10, fired  # it fired, and training went on past it
+    assert MlflowClient(uri).get_run(run_id).data.tags["hacking_guard"].startswith("tighten at iteration ")
+    # Each rank doubled its own controller's strength once per firing: a rank that had not decided alike would hold
+    # strength 1.
     ranks = _controllers(tmp_path, 10)
     assert [controller["strength"] for controller in ranks] == [2.0 ** len(fired)] * 2
     assert ranks[0]["value"] == ranks[1]["value"]
+    # The weight it set doubled with it: the next update's lambda jumps by about 2x, more than the controller moves
+    # it between other updates.
+    weight = dict(metric_history(uri, run_id, "update/lambda_kl"))
+    jumps = {step: weight[step + 1] / weight[step] for step in range(2, 10)}
+    for step in fired:
+        assert jumps[step] > 1.5, jumps
+    assert all(jump < 1.5 for step, jump in jumps.items() if step not in fired), jumps
 
 
 def test_stop_ends_both_ranks(tmp_path):
@@ -60,4 +71,6 @@ def test_stop_ends_both_ranks(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     [(fired_at, _)] = metric_history(uri, only_run_id(uri), "guard/fired")
     assert fired_at < 10
-    assert [path.name for path in (tmp_path / "exports").iterdir()][0].startswith("best-by-judge-step-")
+    # Exactly the export, finished: rank 1 exiting 3 first must not have the launcher kill rank 0 while it writes.
+    [export] = [path.name for path in (tmp_path / "exports").iterdir()]
+    assert export.startswith("best-by-judge-step-"), export

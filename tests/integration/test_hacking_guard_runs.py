@@ -13,7 +13,6 @@ import json
 import pytest
 from mlflow import MlflowClient
 
-from sage_grpo.core.storage import load_torch
 from tests.integration.pipeline_runs import CONTRAST_JUDGE, HACKING, metric_history, only_run_id, run_sagegrpo
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -88,24 +87,3 @@ def test_a_run_whose_reward_and_judge_rise_together_is_never_stopped(tmp_path):
     assert len(judge) == 4 and judge[-1] > judge[0] and reward[-1] > reward[0]
     assert metric_history(uri, run_id, "guard/fired") == []
     assert "hacking guard" not in result.stderr
-
-
-def test_tighten_doubles_the_kl_weight_where_the_guard_fires_and_the_run_goes_on(tmp_path):
-    result = run_sagegrpo(tmp_path, *HACKING, "eval.guard.action=tighten", "run.max_iterations=10", CONTRAST_JUDGE)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "sage-grpo: completed after 10 iteration(s)" in result.stdout
-    uri = _tracking_uri(tmp_path)
-    run_id = only_run_id(uri)
-    fired = [step for step, _ in metric_history(uri, run_id, "guard/fired")]
-    assert fired and max(fired) < 10, fired  # it fired, and training went on past it
-    assert MlflowClient(uri).get_run(run_id).data.tags["hacking_guard"].startswith("tighten at iteration ")
-
-    # The controller's strength doubled once per firing, and the weight it set doubled with it: the next update's
-    # lambda jumps by about 2x, more than the controller moves it between other updates.
-    controller = load_torch(tmp_path / "checkpoints" / "step-10" / "pipeline_state_rank0.pt")["updater"]["controller"]
-    assert controller["strength"] == 2.0 ** len(fired)
-    weight = dict(metric_history(uri, run_id, "update/lambda_kl"))
-    jumps = {step: weight[step + 1] / weight[step] for step in range(2, 10)}
-    for step in fired:
-        assert jumps[step] > 1.5, jumps
-    assert all(jump < 1.5 for step, jump in jumps.items() if step not in fired), jumps
