@@ -1,7 +1,7 @@
 """The ToyWorld sweep through the recipe (``benchmarks/toyworld/sweep.py``): arms expand to config overrides, a
 duplicate or a prefix of another arm is refused, a rerun skips the finished runs, a run on other pretrained weights
 cannot join, and the report puts gold first with Welch + Holm. No training here: ``run_one`` is replaced by a stand-in
-that returns a record (tests/integration/test_toyworld_sweep.py runs the real thing)."""
+that returns a record (tests/integration/test_toyworld_sweep_run.py runs the real thing)."""
 
 import json
 import sys
