@@ -116,16 +116,7 @@ def hunyuanvideo15_shape(
     if lora_config is not None and lora_config.enabled:
         add_lora(model, lora_config)
         trainable_count = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    config = model.config
-    return TransformerShape(
-        param_count=param_count,
-        trainable_count=trainable_count,
-        largest_layer_params=largest,
-        hidden_size=config.num_attention_heads * config.attention_head_dim,
-        num_heads=config.num_attention_heads,
-        num_layers=config.num_layers,
-        latent_channels=config.out_channels or config.in_channels,
-    )
+    return _shape(model.config, param_count, trainable_count, largest)
 
 
 @dataclass(frozen=True)
@@ -183,6 +174,11 @@ def wan_shape(
             add_lora(experts[name], lora_config)
         trainable_count += sum(p.numel() for p in experts[name].parameters() if p.requires_grad)
     config = next(iter(experts.values())).config
+    return _shape(config, param_count, trainable_count, largest, patch=tuple(config.patch_size))
+
+
+def _shape(config, param_count: int, trainable_count: int, largest: int, **extra) -> TransformerShape:
+    """The plan's view of a diffusers transformer config (one expert's, for Wan: the experts share it)."""
     return TransformerShape(
         param_count=param_count,
         trainable_count=trainable_count,
@@ -191,7 +187,7 @@ def wan_shape(
         num_heads=config.num_attention_heads,
         num_layers=config.num_layers,
         latent_channels=config.out_channels or config.in_channels,
-        patch=tuple(config.patch_size),
+        **extra,
     )
 
 
