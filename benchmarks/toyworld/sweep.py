@@ -87,6 +87,8 @@ ARMS = {
             for strategy in ("none", "dual")
             for lr in ("3e-5", "3e-4")
         ],
+        # Issue 40's cost lever: 2 trained steps instead of the base's 4 (cost_table's "2 trained steps" preset).
+        Arm("window [0,2]", ("sde.window=[0,2]",)),
         # The equalizer at a fixed lambda, so that the controller cannot make up for it.
         *[
             Arm(f"equalizer {state} lambda {FIXED_LAMBDA:g}", (*_PINNED, f"update.equalizer={v}"))
@@ -214,6 +216,9 @@ def run_one(arm: Arm, seed: int, resolved: dict, work: Path, extra: tuple[str, .
         f"seed={seed}",
         f"run.output_dir={run_dir}",
         f"run.name=toyworld-{slug(arm.name)}-seed{seed}",
+        # a checkpoint at every evaluation, all kept until drift.py has read them
+        f"checkpoint.every={resolved['eval']['every']}",
+        f"checkpoint.keep_last={resolved['run']['max_iterations']}",
     ]
     log = run_dir / "sweep.log"
     start = time.perf_counter()
@@ -235,6 +240,23 @@ def run_one(arm: Arm, seed: int, resolved: dict, work: Path, extra: tuple[str, .
         "wall_s": wall_s,
         "train_s_per_iteration": sum(sum(h.get(k) or 0.0 for k in STAGE_TIMES) for h in history) / len(history),
     }
+
+
+def with_drift(record: dict, run_dir: Path, out: Path) -> dict:
+    """``record`` with each evaluation's KL from the start (``drift.py``), measured from the checkpoints in
+    ``run_dir`` (then deleted: they are large and DeepSpeed's scripts in them are not ours) and written to ``--out``.
+    A run whose checkpoints are gone keeps its record without drift."""
+    from .drift import drift_by_iteration
+
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir():
+        drift = drift_by_iteration(run_dir, BASE_CONFIG)
+        if all(evaluation["iteration"] in drift for evaluation in record["evaluations"]):
+            for evaluation in record["evaluations"]:
+                evaluation["kl_from_start"] = drift[evaluation["iteration"]]
+        shutil.rmtree(checkpoints)
+    write_atomically(run_path(out, record["arm"], record["seed"]), json.dumps(record))
+    return record
 
 
 def read_back(store: Path) -> tuple[list[dict], list[dict]]:
@@ -333,14 +355,16 @@ def sweep(names: list[str], seeds: int, out: Path, work: Path, *, extra: tuple[s
     stored = {(arm.name, seed): finished(out, arm.name, resolved, seed) for arm, resolved, seed in jobs}
     todo = [job for job in jobs if stored[(job[0].name, job[2])] is None]
     print(f"{len(jobs) - len(todo)} of {len(jobs)} runs already finished in {out / 'runs'}; running {len(todo) * run}")
+    for (name, seed), record in stored.items():  # runs finished before their drift was measured
+        if run and record is not None and "kl_from_start" not in record["evaluations"][-1]:
+            stored[(name, seed)] = with_drift(record, work / slug(name) / f"seed{seed}", out)
     if run and todo:
         check_weights(jobs[0][1])
         for arm, resolved, seed in todo:
             record = run_one(arm, seed, resolved, work, extra)
             start = start_evaluation(resolved, (*arm.overrides, *extra), out, work)
             record["evaluations"] = [start, *record["evaluations"]]
-            write_atomically(run_path(out, arm.name, seed), json.dumps(record))
-            stored[(arm.name, seed)] = record
+            stored[(arm.name, seed)] = with_drift(record, work / slug(arm.name) / f"seed{seed}", out)
             first, last = record["evaluations"][0], record["evaluations"][-1]
             print(
                 f"{arm.name:24s} seed {seed}: gold {first['gold']:.3f} -> {last['gold']:.3f}, proxy "
