@@ -46,8 +46,28 @@ CLAIMS = [
     Claim("the trust region keeps more gold than no KL at lr 3e-4", "dual lr 3e-4", "none lr 3e-4"),
     Claim("the equalizer keeps more gold (lambda fixed)", "equalizer on lambda 0.3", "equalizer off lambda 0.3"),
 ]
-# An evaluation's numbers as the tables name them, gold first.
-EVALUATED = {"gold": "gold", "reward": "proxy", "right_way": "right way", "static": "static", "wrong_way": "wrong way"}
+BEYOND_LR = "the dual trust region keeps more gold than no KL at the same KL from the start (any lr)"
+# An evaluation's numbers as the tables name them, gold first; drift.py's KL from the start last.
+EVALUATED = {
+    "gold": "gold",
+    "reward": "proxy",
+    "right_way": "right way",
+    "static": "static",
+    "wrong_way": "wrong way",
+    "kl_from_start": "KL from start",
+}
+# The gold-against-drift frontier: each trust region's arms across learning rates, (strategy, lr) -> arm.
+FRONTIER = {
+    ("none", "3e-5"): "none lr 3e-5",
+    ("none", "1e-4"): "kl none",
+    ("none", "3e-4"): "none lr 3e-4",
+    ("dual", "3e-5"): "dual lr 3e-5",
+    ("dual", "1e-4"): "kl dual",
+    ("dual", "3e-4"): "dual lr 3e-4",
+}
+# Issue 40's cost levers measured here, each against the base config: lever -> arm.
+LEVERS = {"2 trained steps (`sde.window=[0,2]`)": "window [0,2]"}
+DEFAULT_ARM = "base"
 MEASURES = {"end": "gold at the last evaluation", "peak": "gold at the run's best evaluation"}
 
 
@@ -83,6 +103,8 @@ def verdicts(summary: dict[str, list[dict]], claims: list[Claim] = CLAIMS) -> li
             x = [s[measure]["gold"] for s in summary[claim.arm]]
             y = [s[measure]["gold"] for s in summary[claim.reference]]
             rows.append({"claim": claim.text, "measure": measure, "test": stats.welch(x, y)})
+    if (frontier := beyond_lr(summary)) is not None:
+        rows.append({"claim": BEYOND_LR, "measure": "end", "test": frontier["test"]})
     adjusted = stats.holm([row["test"]["p"] if row["test"] else math.nan for row in rows])
     for row, p in zip(rows, adjusted):
         test = row["test"]
@@ -132,7 +154,7 @@ def curve_table(runs: list[dict]) -> list[str]:
     """Mean gold and proxy (held-out captions) per arm at every evaluation: does the proxy rise while gold falls?"""
     lines = [
         "| arm | iteration | seeds | " + " | ".join(EVALUATED.values()) + " |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|" + "---|" * len(EVALUATED),
     ]
     by_arm: dict[str, dict[int, list[dict]]] = {}
     for run in runs:
@@ -143,6 +165,121 @@ def curve_table(runs: list[dict]) -> list[str]:
             group = at[iteration]
             cells = [_mean_se([e.get(name, math.nan) for e in group]) for name in EVALUATED]
             lines.append(f"| {arm} | {iteration} | {len(group)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def drift_fit(summary: dict[str, list[dict]]) -> tuple[float, float] | None:
+    """Gold at the end against KL from the start across every no-KL run at every learning rate: the least-squares
+    line (intercept, slope) that a smaller or larger lr moves along; None without two distinct drifts."""
+    points = [
+        (run["end"]["kl_from_start"], run["end"]["gold"])
+        for (strategy, _), arm in FRONTIER.items()
+        if strategy == "none"
+        for run in summary.get(arm, [])
+        if "kl_from_start" in run["end"]
+    ]
+    if len({kl for kl, _ in points}) < 2:
+        return None
+    slope, intercept = statistics.linear_regression([kl for kl, _ in points], [gold for _, gold in points])
+    return intercept, slope
+
+
+def beyond_lr(summary: dict[str, list[dict]]) -> dict | None:
+    """Is the trust region more than a smaller lr? Gold above the no-KL line at the same drift: the dual runs'
+    residuals against the no-KL runs' residuals (Welch). None without the line or the dual runs' drift."""
+    fit = drift_fit(summary)
+    if fit is None:
+        return None
+    intercept, slope = fit
+
+    def residuals(strategy: str) -> list[float]:
+        return [
+            run["end"]["gold"] - (intercept + slope * run["end"]["kl_from_start"])
+            for (s, _), arm in FRONTIER.items()
+            if s == strategy
+            for run in summary.get(arm, [])
+            if "kl_from_start" in run["end"]
+        ]
+
+    test = stats.welch(residuals("dual"), residuals("none"))
+    return None if test is None else {"intercept": intercept, "slope": slope, "test": test}
+
+
+def frontier_table(summary: dict[str, list[dict]]) -> list[str]:
+    lines = [
+        "| trust region | lr | seeds | KL from start, end | gold end | proxy end |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (strategy, lr), arm in FRONTIER.items():
+        if arm in summary:
+            runs = summary[arm]
+            lines.append(
+                f"| {strategy} | {lr} | {len(runs)} | {_column(runs, 'end', 'kl_from_start')} "
+                f"| {_column(runs, 'end', 'gold')} | {_column(runs, 'end', 'reward')} |"
+            )
+    return lines
+
+
+def time_to_threshold(run: dict, threshold: float) -> tuple[float, bool]:
+    """Training seconds (iterations x the run's s/iteration) until the held-out proxy first reaches ``threshold``,
+    and whether it did; a run that never does counts its whole length, a lower bound."""
+    reached = next((e["iteration"] for e in run["evaluations"][1:] if e["reward"] >= threshold), None)
+    iterations = run["evaluations"][-1]["iteration"] if reached is None else reached
+    return iterations * run["train_s_per_iteration"], reached is not None
+
+
+def lever_threshold(runs: list[dict]) -> float | None:
+    """Half the default arm's mean held-out proxy gain by its last evaluation, above its start."""
+    base = [run for run in runs if run["arm"] == DEFAULT_ARM]
+    if not base:
+        return None
+    start = statistics.mean(run["evaluations"][0]["reward"] for run in base)
+    end = statistics.mean(run["evaluations"][-1]["reward"] for run in base)
+    return start + (end - start) / 2
+
+
+def lever_rows(runs: list[dict]) -> list[dict]:
+    """Each lever's time to the threshold against the default arm's (Welch), and its s/iteration and gold."""
+    threshold = lever_threshold(runs)
+    if threshold is None:
+        return []
+    by_arm: dict[str, list[dict]] = {}
+    for run in runs:
+        by_arm.setdefault(run["arm"], []).append(run)
+    rows = []
+    for lever, arm in {"none (the default)": DEFAULT_ARM, **LEVERS}.items():
+        if arm not in by_arm:
+            continue
+        times = [time_to_threshold(run, threshold) for run in by_arm[arm]]
+        default_times = [time_to_threshold(run, threshold)[0] for run in by_arm[DEFAULT_ARM]]
+        rows.append(
+            {
+                "lever": lever,
+                "arm": arm,
+                "threshold": threshold,
+                "seconds": [t for t, _ in times],
+                "reached": sum(r for _, r in times),
+                "runs": by_arm[arm],
+                "test": None if arm == DEFAULT_ARM else stats.welch([t for t, _ in times], default_times),
+            }
+        )
+    return rows
+
+
+def lever_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| lever | seeds | reached | training s to threshold | vs default (Welch) | s/iteration | gold end |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        test = row["test"]
+        versus = "" if test is None else f"{test['difference']:+.1f} ± {test['se']:.1f} s, p {test['p']:.3g}"
+        runs = row["runs"]
+        lines.append(
+            f"| {row['lever']} | {len(runs)} | {row['reached']} of {len(runs)} | {_mean_se(row['seconds'])} "
+            f"| {versus} | {_mean_se([r['train_s_per_iteration'] for r in runs])} "
+            f"| {_mean_se([r['evaluations'][-1]['gold'] for r in runs])} |"
+        )
     return lines
 
 
@@ -187,6 +324,30 @@ def markdown(results: dict, data_path: str) -> str:
         *curve_table(results["runs"]),
         "",
     ]
+    if any(arm in summary for arm in FRONTIER.values()):
+        lines += [
+            "The trust region against no KL across learning rates (KL from the start: `benchmarks/toyworld/drift.py`, "
+            "nats per video on the base config's SDE, held-out captions):",
+            "",
+            *frontier_table(summary),
+            "",
+        ]
+        if (frontier := beyond_lr(summary)) is not None:
+            lines += [
+                f"No KL's runs at every lr lie along gold = {frontier['intercept']:.4f} "
+                f"{frontier['slope']:+.5f} x KL; the last claim below compares the dual runs' distance above that "
+                "line with the no-KL runs' own.",
+                "",
+            ]
+    if levers := lever_rows(results["runs"]):
+        lines += [
+            "Cost levers (issue 40): training seconds until the held-out proxy first reaches "
+            f"{levers[0]['threshold']:.4f}, half the default arm's mean gain (a run that never does counts its "
+            "whole length, a lower bound); Welch against the default, not in the Holm family below:",
+            "",
+            *lever_table(levers),
+            "",
+        ]
     if rows:
         lines += [
             f"Claims (Welch's t across seeds, Holm-adjusted over the {len(rows)} tests; verdict at {ALPHA}):",
