@@ -365,3 +365,88 @@ def _hunyuanvideo15_inputs(config, call: TransformerCall, dtype) -> dict:
         },
         "image_embeds": torch.zeros(batch, image, config.image_embed_dim, dtype=dtype),
     }
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """One ``decode`` of a model adapter as the rollout makes it after each micro-batch: the float32 final latents of
+    ``batch`` samples, [channels, frames, height, width] each (``latent_grid``: frames, height, width), decoded by the
+    adapter's VAE with diffusers' tiling on or off (``tiling``) as the adapter sets it up."""
+
+    batch: int
+    latent_grid: tuple[int, int, int]
+    tiling: bool = False
+
+
+def trace_hunyuanvideo15_decode(vae_config: dict, call: DecodeCall, *, dtype=None) -> StepTrace:
+    """``HunyuanVideo15Adapter.decode`` with ``AutoencoderKLHunyuanVideo15`` built from ``vae_config`` in ``dtype``
+    (bf16 by default, the pipeline's): one sample per VAE call; tiled, diffusers' tiles are 256 x 256 pixels of every
+    frame, decoded one after another and all kept until they are blended into the video."""
+    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Pipeline
+
+    from sage_grpo.core.models.hunyuan15 import HunyuanVideo15Adapter
+
+    dtype = torch.bfloat16 if dtype is None else dtype
+    vae = (AutoencoderKLHunyuanVideo15, vae_config, "latent_channels")
+    with _causal_masks_built_by_frame():
+        return _trace_decode(HunyuanVideo15Adapter, HunyuanVideo15Pipeline, vae, call, dtype)
+
+
+def trace_wan_decode(vae_config: dict, call: DecodeCall, *, dtype=None) -> StepTrace:
+    """``WanAdapter.decode`` with ``AutoencoderKLWan`` built from ``vae_config`` in ``dtype`` (float32 by default, as
+    the adapter loads it): the micro-batch in one VAE call, one latent frame after another (its causal cache)."""
+    from diffusers import AutoencoderKLWan, WanPipeline
+
+    from sage_grpo.core.models.wan import WanAdapter
+
+    dtype = torch.float32 if dtype is None else dtype
+    return _trace_decode(WanAdapter, WanPipeline, (AutoencoderKLWan, vae_config, "z_dim"), call, dtype)
+
+
+def _trace_decode(adapter_class, pipeline_class, vae: tuple[type, dict, str], call: DecodeCall, dtype) -> StepTrace:
+    """``adapter_class.decode`` on ``call``'s latents (``vae``: the VAE's class, its config and the config's key for
+    the latent channels)."""
+    vae_class, vae_config, channels = vae
+    mode = fake_mode()
+    with mode, default_dtype(dtype):
+        model = vae_class.from_config(vae_config).eval()
+        if call.tiling:
+            model.enable_tiling()
+        latents = torch.empty(call.batch, model.config[channels], *call.latent_grid, dtype=torch.float32)
+    decode = adapter_decode(adapter_class, pipeline_class, model)
+    return trace_step(mode, model, lambda: decode(latents), train=False)
+
+
+def adapter_decode(adapter_class, pipeline_class, vae) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``adapter_class.decode`` (latents to uint8 videos) with a pipeline of ``pipeline_class`` that holds only
+    ``vae``: the method reads nothing of its adapter but the pipeline's VAE and video processor."""
+    import inspect
+    from types import SimpleNamespace
+
+    components = [name for name in inspect.signature(pipeline_class.__init__).parameters if name != "self"]
+    adapter = SimpleNamespace(pipeline=pipeline_class(**dict.fromkeys(components) | {"vae": vae}))
+    return lambda latents: adapter_class.decode(adapter, latents)
+
+
+@contextlib.contextmanager
+def _causal_masks_built_by_frame():
+    """diffusers' HunyuanVideo 1.5 VAE builds its attention's frame-causal mask one token row at a time (5,376 rows
+    for one 16 x 16 latent tile of 21 frames), each row an op that takes ~1 ms on fake tensors; the rows of a frame
+    are alike, so this builds the same mask one frame at a time, allocating the same [S, S] tensor."""
+    from unittest import mock
+
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15 import HunyuanVideo15AttnBlock
+
+    by_frame = staticmethod(causal_mask_by_frame)
+    with mock.patch.object(HunyuanVideo15AttnBlock, "prepare_causal_attention_mask", by_frame):
+        yield
+
+
+def causal_mask_by_frame(n_frame: int, n_hw: int, dtype, device, batch_size: int | None = None):
+    """``HunyuanVideo15AttnBlock.prepare_causal_attention_mask``'s mask, built a frame at a time: every token attends
+    to the tokens of its own frame and the frames before it."""
+    seq_len = n_frame * n_hw
+    mask = torch.full((seq_len, seq_len), float("-inf"), dtype=dtype, device=device)
+    for frame in range(n_frame):
+        mask[frame * n_hw : (frame + 1) * n_hw, : (frame + 1) * n_hw] = 0
+    return mask if batch_size is None else mask.unsqueeze(0).expand(batch_size, -1, -1)

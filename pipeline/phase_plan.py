@@ -6,23 +6,27 @@ state and the gathered block, by DeepSpeed's estimators; the KL anchor; the froz
 for the CUDA context, NCCL and fragmentation) plus what the phase holds and what its transformer calls add, traced:
 
 - rollout step: the rollout's latents and one no-grad call (micro-batch x CFG branches);
+- VAE decode: the rollout's latents and the model adapter's own ``decode`` of one micro-batch's final latents
+  (``core.memory_trace.trace_*_decode``): HunyuanVideo 1.5's tiled as its adapter tiles it (diffusers' 256 x 256
+  pixel tiles of every frame, decoded one after another and all kept until blended), Wan's untiled as its adapter
+  decodes it, with the decoded video and its uint8 copy;
 - update micro-step: the rollout, the KL references, and the larger of a reference forward and the policy's
   forward and backward (gradient checkpointing and LoRA as configured);
-- evaluation: one no-grad call at the evaluation's batch.
+- evaluation: the larger of one no-grad call at the run's batch and a decode.
 
 Two-expert Wan 2.2 A14B: both experts' ZeRO-3 shards live throughout (one engine holds both); each step's call is
 its expert's (``WanPipeline``'s boundary rule), traced with the other expert built beside it, so the trace shows what
 a forward gathers: its own expert's parameters only. Only the trained experts' steps train (``model.train_experts``).
 
-Not traced: VAE decode's and the reward model's activations (a tiled decode takes minutes on fake tensors; the
-reward is a plugin); their weights are counted. FLOPs are the transformer's, each step's expert's; a
-sequence-parallel rank does 1/K of its group's.
+Not traced: the reward model's activations (their weights are counted). FLOPs are the transformer's, each step's
+expert's (the decode's are left out); a sequence-parallel rank does 1/K of its group's.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from sage_grpo.core import flops as flop_math
 from sage_grpo.core import memory_trace
@@ -182,7 +186,7 @@ class PhasePlan:
         lines.append(f"  peak                  {gb(self.peak)}  of {layout.gpu_mem_gb:g} GB: {verdict}")
         if self.experts is not None:
             lines += self.experts.lines(self.peak, layout.gpu_mem_gb)
-        lines.append("  not traced: VAE decode and reward activations (weights counted); host memory: decoded videos")
+        lines.append("  not traced: reward activations (weights counted); host memory: decoded videos")
         agree = "disagree" if self.disagreement > DISAGREEMENT else "agree"
         lines.append(
             f"hand formula vs trace: update activations {self.formula.activations / GIB:.2f} GB vs "
@@ -235,12 +239,13 @@ def phase_plan(config, formula: memory_plan.MemoryPlan, *, mfu: float = 0.35, gp
         "reserve": int(RESERVE_GB * GIB),
     }
     base = sum(resident.values())
+    decode_peak = model.trace_decode(config.update.micro_batch_size).peak
     phases = {
         "rollout step": base + work.rollout + forward_peak,
-        "VAE decode": base + work.rollout,
+        "VAE decode": base + work.rollout + decode_peak,
         "scoring": base + work.rollout,
         "update micro-step": base + work.rollout + work.references + max(step_peak, forward_peak),
-        "evaluation": base + forward_peak,
+        "evaluation": base + max(forward_peak, decode_peak),
     }
     calls = config.rollout.samples_per_rank // config.update.micro_batch_size
     references = _reference_count(config)
@@ -276,6 +281,8 @@ class _TracedModel:
     checkpointing: bool
     lora: object
     param_count: int
+    vae_config: dict
+    vae_tiling: bool
     _traces: dict = field(default_factory=dict)
 
     @classmethod
@@ -305,6 +312,9 @@ class _TracedModel:
             checkpointing=formula.layout.grad_checkpointing,
             lora=config.lora if config.lora.enabled else None,
             param_count=shape.param_count,
+            vae_config=_vae_config(config.model.pretrained),
+            # HunyuanVideo15Adapter.from_pretrained's vae_tiling (on by default); WanAdapter decodes untiled.
+            vae_tiling=family != "wan" and bool(config.model.kwargs.get("vae_tiling", True)),
         )
 
     @property
@@ -336,6 +346,12 @@ class _TracedModel:
                 self._traces[key] = memory_trace.trace_hunyuanvideo15(self.experts[expert], call, lora_config=lora)
         return self._traces[key]
 
+    def trace_decode(self, batch: int) -> memory_trace.StepTrace:
+        """One decode of ``batch`` samples' final latents, as the rollout decodes each micro-batch."""
+        call = memory_trace.DecodeCall(batch, self.grid, tiling=self.vae_tiling)
+        trace = memory_trace.trace_wan_decode if self.family == "wan" else memory_trace.trace_hunyuanvideo15_decode
+        return trace(self.vae_config, call)
+
     def expert_plan(self, forward: dict[str, memory_trace.StepTrace], layout) -> ExpertPlan:
         shard = BF16_BYTES * self.param_count // len(self.experts)
         if engine.partitions_parameters(layout.zero_stage):
@@ -350,6 +366,13 @@ class _TracedModel:
             gathered=max(trace.gathered for trace in forward.values()),
             idle_shard=shard,
         )
+
+
+def _vae_config(pretrained: str | None) -> dict:
+    """The VAE config of a local diffusers checkpoint; for anything else diffusers' defaults (``{}``), which are the
+    released VAEs' (HunyuanVideo 1.5's; Wan 2.1's, which Wan 2.2 A14B ships)."""
+    path = Path(pretrained or "") / "vae" / "config.json"
+    return json.loads(path.read_text()) if pretrained and path.is_file() else {}
 
 
 def _reference_count(config) -> float:

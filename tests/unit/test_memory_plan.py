@@ -275,6 +275,7 @@ def test_settings_the_estimators_do_not_model_are_refused(full):
 # parameter counts. The real traces are tested in tests/unit/test_memory_trace.py and, for the shipped configs,
 # tests/integration/test_shipped_plans.py.
 STUB_TRACE = memory_trace.StepTrace(peak=GIB, flops=10**15)
+STUB_DECODE = memory_trace.StepTrace(peak=GIB // 2, flops=10**14)  # the VAE decode of a micro-batch
 STUB_FROZEN = {"text encoders": 7 * 10**9, "VAE": 10**9}
 
 
@@ -288,6 +289,7 @@ def traced(monkeypatch):
         return STUB_TRACE
 
     monkeypatch.setattr(memory_trace, "trace_hunyuanvideo15", trace)
+    monkeypatch.setattr(memory_trace, "trace_hunyuanvideo15_decode", lambda vae_config, call, dtype=None: STUB_DECODE)
     monkeypatch.setattr(phase_plan, "frozen_parameter_counts", lambda rewards: dict(STUB_FROZEN))
     return calls
 
@@ -428,7 +430,11 @@ def _phase_plan(config_path, *overrides, k=None, mfu=0.4):
     return phase_plan.phase_plan(config, formula, mfu=mfu, gpu_name="H100")
 
 
-def test_the_traced_plan_adds_each_phase_to_what_lives_throughout(traced, counted, small_config):
+def test_the_traced_plan_adds_each_phase_to_what_lives_throughout(monkeypatch, traced, counted, small_config):
+    decodes = []
+    monkeypatch.setattr(
+        memory_trace, "trace_hunyuanvideo15_decode", lambda config, call: decodes.append(call) or STUB_DECODE
+    )
     config = small_config[1]
     plan = _phase_plan(config)
     # 1 GiB a call (STUB_TRACE) on top of what lives throughout; the frozen models in bf16 where they live.
@@ -441,6 +447,10 @@ def test_the_traced_plan_adds_each_phase_to_what_lives_throughout(traced, counte
     assert plan.peak == plan.phases["update micro-step"]
     # The update traces training with the run's checkpointing; the rollout and the references do not.
     assert {(c.train, c.checkpointing) for c in traced} == {(False, False), (True, True)}
+    # The decode of a micro-batch's latents (STUB_DECODE) beside the rollout, tiled as HunyuanVideo15Adapter decodes.
+    assert plan.phases["VAE decode"] == resident + work.rollout + STUB_DECODE.peak
+    latents = ((work.frames - 1) // 4 + 1, work.height // 16, work.width // 16)
+    assert decodes == [memory_trace.DecodeCall(1, latents, tiling=True)]
     offloaded = _phase_plan(config, "model.kwargs.offload_text_encoder=true")
     assert "text encoders" not in offloaded.resident
     assert {name: plan.phases[name] - offloaded.phases[name] for name in plan.phases} == dict.fromkeys(
