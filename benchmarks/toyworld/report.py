@@ -45,6 +45,11 @@ CLAIMS = [
     Claim("the trust region at lr 1e-4 beats no KL at lr 3e-5 (more than a smaller lr)", "kl dual", "none lr 3e-5"),
     Claim("the trust region keeps more gold than no KL at lr 3e-4", "dual lr 3e-4", "none lr 3e-4"),
     Claim("the equalizer keeps more gold (lambda fixed)", "equalizer on lambda 0.3", "equalizer off lambda 0.3"),
+    Claim(
+        "where the proxy is hackable (MQ only), the dual trust region keeps more gold than no KL",
+        "MQ proxy, kl dual",
+        "MQ proxy, kl none",
+    ),
 ]
 BEYOND_LR = "the dual trust region keeps more gold than no KL at the same KL from the start (any lr)"
 # An evaluation's numbers as the tables name them, gold first; drift.py's KL from the start last.

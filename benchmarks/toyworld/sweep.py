@@ -73,6 +73,10 @@ class Arm:
 
 FIXED_LAMBDA = 0.3  # where the calibrated controller held lambda at lr 1e-4 (docs/algorithm.md): the equalizer arms
 _PINNED = tuple(f"trust_region.{key}={FIXED_LAMBDA}" for key in ("kl_initial", "kl_minimum", "kl_maximum"))
+_MQ_ONLY = (
+    "rewards=[{name: 'benchmarks.toyworld.rewards:ToyWorldReward', weights: {MQ: 1.0}},"
+    " {name: 'benchmarks.toyworld.rewards:GoldJudge', weights: {}}]"
+)
 ARMS = {
     arm.name: arm
     for arm in [
@@ -86,6 +90,11 @@ ARMS = {
             Arm(f"{strategy} lr {lr}", (f"trust_region.strategy={strategy}", f"update.learning_rate={lr}"))
             for strategy in ("none", "dual")
             for lr in ("3e-5", "3e-4")
+        ],
+        # Where the proxy is hackable: motion quality alone pays a static square in full (gold still reported).
+        *[
+            Arm(f"MQ proxy, kl {strategy}", (_MQ_ONLY, f"trust_region.strategy={strategy}"))
+            for strategy in ("none", "dual")
         ],
         # Issue 40's cost lever: 2 trained steps instead of the base's 4 (cost_table's "2 trained steps" preset).
         Arm("window [0,2]", ("sde.window=[0,2]",)),
