@@ -450,3 +450,87 @@ def causal_mask_by_frame(n_frame: int, n_hw: int, dtype, device, batch_size: int
     for frame in range(n_frame):
         mask[frame * n_hw : (frame + 1) * n_hw, : (frame + 1) * n_hw] = 0
     return mask if batch_size is None else mask.unsqueeze(0).expand(batch_size, -1, -1)
+
+
+@dataclass(frozen=True)
+class ScoringCall:
+    """One VideoAlign call as the scorer makes it: ``batch`` videos, each ``frames`` sampled frames resized to
+    ``height`` x ``width`` pixels (multiples of 28), behind ``text_tokens`` tokens of chat template and prompt."""
+
+    batch: int
+    frames: int
+    height: int
+    width: int
+    text_tokens: int
+
+
+def videoalign_call(batch: int, video: tuple[int, int, int], fps: float, reward_kwargs: dict) -> ScoringCall:
+    """The ``ScoringCall`` of ``batch`` videos of ``video`` (frames, height, width) at ``fps``, sampled and resized by
+    VideoAlign's rules with the reward's kwargs (``sample_fps``, ``max_pixels``). The text is the chat template's,
+    counted by the word-level tokenizer of ``videoalign.tiny_tokenizer`` (Qwen2's BPE splits a few words further)."""
+    from sage_grpo.core.rewards import videoalign
+
+    frames, height, width = video
+    sampled = videoalign.sampled_frame_count(frames, fps, reward_kwargs.get("sample_fps", videoalign.SAMPLE_FPS))
+    side = videoalign.PATCH_SIZE * videoalign.MERGE_SIZE
+    max_pixels = reward_kwargs.get("max_pixels", videoalign.MAX_PIXELS)
+    resized = videoalign.smart_resize(height, width, side, videoalign.MIN_PIXELS, max_pixels)
+    text = len(videoalign.tiny_tokenizer()(videoalign.chat_text(""))["input_ids"])
+    return ScoringCall(batch, sampled, *resized, text_tokens=text)
+
+
+def trace_videoalign(vlm_config: dict, call: ScoringCall, *, dtype=None) -> StepTrace:
+    """One no-grad forward of ``videoalign.VideoRewardModel`` (Qwen2-VL built from ``vlm_config`` and the reward
+    head) in ``dtype`` (bf16 by default, as released) on inputs shaped as ``VideoAlign.prepare_inputs`` makes them
+    (float32 patches), through ``videoalign_forward``."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    from sage_grpo.core.rewards.videoalign import MERGE_SIZE, PATCH_SIZE, TEMPORAL_PATCH_SIZE, VideoRewardModel
+
+    dtype = torch.bfloat16 if dtype is None else dtype
+    grid = (call.frames // TEMPORAL_PATCH_SIZE, call.height // PATCH_SIZE, call.width // PATCH_SIZE)
+    patches = grid[0] * grid[1] * grid[2]
+    tokens = call.text_tokens + patches // MERGE_SIZE**2
+    mode = fake_mode()
+    with mode, default_dtype(dtype):
+        vlm = Qwen2VLForConditionalGeneration(Qwen2VLConfig(**vlm_config, attn_implementation="sdpa"))
+        model = VideoRewardModel(vlm, reward_token_ids=[]).eval()
+        input_ids = torch.zeros(call.batch, tokens, dtype=torch.long)
+        attention_mask = torch.ones(call.batch, tokens, dtype=torch.long)
+        pixels = torch.empty(call.batch * patches, 3 * TEMPORAL_PATCH_SIZE * PATCH_SIZE**2, dtype=torch.float32)
+    vision = videoalign_vision_inputs(grid, call.batch, MERGE_SIZE)
+    step = lambda: videoalign_forward(model, input_ids, attention_mask, pixels, vision)  # noqa: E731
+    return trace_step(mode, model, step, train=False)
+
+
+def videoalign_vision_inputs(grid: tuple[int, int, int], batch: int, merge_size: int) -> dict:
+    """What Qwen2-VL's vision tower computes from the patch grids' values, computed here from ``batch`` videos of
+    ``grid`` (t, h, w) patches, as transformers' ``vision_utils`` lets a caller precompute them: the rotary
+    positions, and the frame boundaries its attention splits at (a NumPy array, whose ``tolist`` needs no values
+    on fake tensors)."""
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
+
+    grids = torch.tensor([grid] * batch)
+    return {
+        "cu_seqlens": get_vision_cu_seqlens(grids).numpy(),
+        "position_ids": get_vision_position_ids(grids, merge_size),
+    }
+
+
+def videoalign_forward(model, input_ids, attention_mask, pixel_values_videos, vision: dict) -> torch.Tensor:
+    """``VideoRewardModel.forward`` written so that it runs on fake tensors, up to the head's value at every token
+    [B, L] (the forward reads three of them): the same modules in the same order on tensors of the same shapes.
+
+    Written by hand because Qwen2-VL's forward reads values: the vision tower's positions and attention splits from
+    the grids (``vision``: ``videoalign_vision_inputs``), and a count of the video placeholders, checked against the
+    features, before they are scattered in. The scatter here is the model's; the reward tokens are found by value
+    (a boolean index) after the head, which adds [B, 3]. ``tests/unit/test_scoring_trace.py`` compares the two on
+    real tensors."""
+    inner = model.vlm.model
+    video = inner.visual(pixel_values_videos, grid_thw=None, **vision).pooler_output
+    embeds = inner.get_input_embeddings()(input_ids)
+    placeholders = (input_ids == inner.config.video_token_id).unsqueeze(-1).expand_as(embeds)
+    embeds = embeds.masked_scatter(placeholders, video.to(embeds.dtype))
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+    hidden = inner.language_model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions)
+    return model.rm_head(hidden.last_hidden_state).squeeze(-1).float()

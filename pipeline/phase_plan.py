@@ -5,21 +5,26 @@ Each phase's peak is what lives across the whole iteration (ZeRO-3's shards of p
 state and the gathered block, by DeepSpeed's estimators; the KL anchor; the frozen models where they live; a reserve
 for the CUDA context, NCCL and fragmentation) plus what the phase holds and what its transformer calls add, traced:
 
-- rollout step: the rollout's latents and one no-grad call (micro-batch x CFG branches);
+- rollout step: the rollout's latents and one no-grad call (micro-batch x CFG branches), beside the scoring of
+  the micro-batch before it (a worker thread scores each micro-batch while the next is generated and decoded);
 - VAE decode: the rollout's latents and the model adapter's own ``decode`` of one micro-batch's final latents
   (``core.memory_trace.trace_*_decode``): HunyuanVideo 1.5's tiled as its adapter tiles it (diffusers' 256 x 256
   pixel tiles of every frame, decoded one after another and all kept until blended), Wan's untiled as its adapter
-  decodes it, with the decoded video and its uint8 copy;
+  decodes it, with the decoded video and its uint8 copy; beside the scoring, too;
+- scoring: the rollout's latents and, with VideoAlign configured, one no-grad forward of its Qwen2-VL-2B at its
+  released config on a micro-batch's videos, sampled and resized by VideoAlign's rules
+  (``core.memory_trace.trace_videoalign``);
 - update micro-step: the rollout, the KL references, and the larger of a reference forward and the policy's
   forward and backward (gradient checkpointing and LoRA as configured);
-- evaluation: the larger of one no-grad call at the run's batch and a decode.
+- evaluation: the largest of one no-grad call at the run's batch, a decode and the scoring (one after another).
 
 Two-expert Wan 2.2 A14B: both experts' ZeRO-3 shards live throughout (one engine holds both); each step's call is
 its expert's (``WanPipeline``'s boundary rule), traced with the other expert built beside it, so the trace shows what
 a forward gathers: its own expert's parameters only. Only the trained experts' steps train (``model.train_experts``).
 
-Not traced: the reward model's activations (their weights are counted). FLOPs are the transformer's, each step's
-expert's (the decode's are left out); a sequence-parallel rank does 1/K of its group's.
+Not traced: a plugin reward (any reward but VideoAlign): neither its weights nor its activations; VideoAlign's
+preprocessing (the video on the GPU, its sampled frames resized). FLOPs are the transformer's, each step's expert's
+(the decode's and the scoring's are left out); a sequence-parallel rank does 1/K of its group's.
 """
 
 from __future__ import annotations
@@ -64,6 +69,9 @@ QWEN2_VL_2B = {
     "tie_word_embeddings": True,
 }
 
+
+# HunyuanVideo 1.5 renders 24 frames per second (``VideoModelAdapter.fps``), the rate a reward samples frames by.
+HUNYUANVIDEO15_FPS = 24
 
 # Wan's text encoder, UMT5-XXL's encoder (google/umt5-xxl, the text_encoder of every Wan 2.1 / 2.2 diffusers
 # checkpoint), counted from its published config; Wan 2.2 A14B's VAE is Wan 2.1's, diffusers' AutoencoderKLWan defaults.
@@ -153,6 +161,7 @@ class PhasePlan:
     gpu_name: str
     update_transient: int
     experts: ExpertPlan | None = None
+    untraced_rewards: list[str] = field(default_factory=list)
 
     @property
     def peak(self) -> int:
@@ -186,7 +195,9 @@ class PhasePlan:
         lines.append(f"  peak                  {gb(self.peak)}  of {layout.gpu_mem_gb:g} GB: {verdict}")
         if self.experts is not None:
             lines += self.experts.lines(self.peak, layout.gpu_mem_gb)
-        lines.append("  not traced: reward activations (weights counted); host memory: decoded videos")
+        plugins = ", ".join(self.untraced_rewards)
+        plugins = f"reward {plugins} (a plugin: neither its weights nor its activations); " if plugins else ""
+        lines.append(f"  not traced: {plugins}reward preprocessing (frames resized); host memory: decoded videos")
         agree = "disagree" if self.disagreement > DISAGREEMENT else "agree"
         lines.append(
             f"hand formula vs trace: update activations {self.formula.activations / GIB:.2f} GB vs "
@@ -240,12 +251,15 @@ def phase_plan(config, formula: memory_plan.MemoryPlan, *, mfu: float = 0.35, gp
     }
     base = sum(resident.values())
     decode_peak = model.trace_decode(config.update.micro_batch_size).peak
+    scoring = _videoalign_scoring(config, (work.frames, work.height, work.width), model.fps)
+    # A micro-batch is scored in a worker thread while the next is generated and decoded (stages/score.py).
+    scoring_peak = 0 if scoring is None else scoring.peak
     phases = {
-        "rollout step": base + work.rollout + forward_peak,
-        "VAE decode": base + work.rollout + decode_peak,
-        "scoring": base + work.rollout,
+        "rollout step": base + work.rollout + forward_peak + scoring_peak,
+        "VAE decode": base + work.rollout + decode_peak + scoring_peak,
+        "scoring": base + work.rollout + scoring_peak,
         "update micro-step": base + work.rollout + work.references + max(step_peak, forward_peak),
-        "evaluation": base + max(forward_peak, decode_peak),
+        "evaluation": base + max(forward_peak, decode_peak, scoring_peak),
     }
     calls = config.rollout.samples_per_rank // config.update.micro_batch_size
     references = _reference_count(config)
@@ -265,7 +279,19 @@ def phase_plan(config, formula: memory_plan.MemoryPlan, *, mfu: float = 0.35, gp
         gpu_name=gpu_name,
         update_transient=step_peak,
         experts=model.expert_plan(forward, layout) if len(model.running) > 1 else None,
+        untraced_rewards=[spec.name for spec in config.rewards if spec.name != "videoalign"],
     )
+
+
+def _videoalign_scoring(config, video: tuple[int, int, int], fps: int) -> memory_trace.StepTrace | None:
+    """One VideoAlign call on a micro-batch's videos (``video``: frames, height, width), in sub-batches of the
+    reward's ``batch_size``, Qwen2-VL-2B at its released config; None when VideoAlign is not configured."""
+    spec = next((spec for spec in config.rewards if spec.name == "videoalign"), None)
+    if spec is None:
+        return None
+    micro_batch = config.update.micro_batch_size
+    call = memory_trace.videoalign_call(min(spec.batch_size or micro_batch, micro_batch), video, fps, spec.kwargs)
+    return memory_trace.trace_videoalign(QWEN2_VL_2B, call)
 
 
 @dataclass
@@ -283,6 +309,7 @@ class _TracedModel:
     param_count: int
     vae_config: dict
     vae_tiling: bool
+    model_kwargs: dict
     _traces: dict = field(default_factory=dict)
 
     @classmethod
@@ -315,7 +342,17 @@ class _TracedModel:
             vae_config=_vae_config(config.model.pretrained),
             # HunyuanVideo15Adapter.from_pretrained's vae_tiling (on by default); WanAdapter decodes untiled.
             vae_tiling=family != "wan" and bool(config.model.kwargs.get("vae_tiling", True)),
+            model_kwargs=config.model.kwargs,
         )
+
+    @property
+    def fps(self) -> int:
+        """The frame rate the scorer samples the videos at: the adapter's (``WanAdapter``'s ``fps`` kwarg)."""
+        if self.family == "wan":
+            from sage_grpo.core.models.wan import WanAdapter
+
+            return self.model_kwargs.get("fps", memory_trace.init_defaults(WanAdapter)["fps"])
+        return HUNYUANVIDEO15_FPS
 
     @property
     def running(self) -> list[str]:

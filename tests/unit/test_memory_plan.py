@@ -458,6 +458,30 @@ def test_the_traced_plan_adds_each_phase_to_what_lives_throughout(monkeypatch, t
     )
 
 
+def test_videoalign_is_traced_beside_the_next_micro_batchs_rollout_and_decode(monkeypatch, traced, counted, tmp_path):
+    scored = memory_trace.StepTrace(peak=GIB // 4, flops=10**13)
+    calls = []
+    monkeypatch.setattr(phase_plan, "QWEN2_VL_2B", {"released": "config"})
+    monkeypatch.setattr(memory_trace, "trace_videoalign", lambda config, call: calls.append((config, call)) or scored)
+    config = tmp_path / "run.yaml"
+    reward = "{name: videoalign, kwargs: {base_model: /m, checkpoint: /c, max_pixels: 50176}, batch_size: 4}"
+    config.write_text(
+        "model: {name: hunyuan15, pretrained: org/model}\nlora: {enabled: true}\n"
+        f"rewards: [{reward}, {{name: brightness}}]\n"
+        "update: {gradient_checkpointing: true, micro_batch_size: 2}\ndata: {source: prompts.txt}\n"
+    )
+    plan = _phase_plan(config)
+    work = plan.formula.workload
+    # A micro-batch of 2 videos (under the reward's batch_size), 24 fps, sampled and resized by the reward's kwargs.
+    video = (work.frames, work.height, work.width)
+    assert calls == [({"released": "config"}, memory_trace.videoalign_call(2, video, 24, {"max_pixels": 50176}))]
+    resident = sum(plan.resident.values()) + work.rollout
+    assert plan.phases["scoring"] == resident + scored.peak
+    assert plan.phases["rollout step"] == resident + GIB + scored.peak
+    assert plan.phases["VAE decode"] == resident + STUB_DECODE.peak + scored.peak
+    assert "not traced: reward brightness (a plugin: neither its weights nor its activations)" in str(plan)
+
+
 def test_gpu_hours_follow_from_the_flops_and_a_rank_does_1_over_k_of_its_groups(traced, counted, small_config):
     whole = _phase_plan(small_config[1])
     del traced[:]
