@@ -55,6 +55,9 @@ def _memoized(module, name: str, copy=lambda value: value) -> None:
 def _memoized_traces() -> None:
     _memoized(memory_trace, "trace_hunyuanvideo15")
     _memoized(memory_trace, "trace_wan")
+    _memoized(memory_trace, "trace_hunyuanvideo15_decode")
+    _memoized(memory_trace, "trace_wan_decode")
+    _memoized(memory_trace, "trace_videoalign")
     _memoized(phase_plan, "frozen_parameter_counts", dict)
     _memoized(phase_plan, "wan_frozen_parameter_counts", dict)
 
