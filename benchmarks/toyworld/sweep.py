@@ -291,15 +291,23 @@ def read_back(store: Path) -> tuple[list[dict], list[dict]]:
     return [evaluations[s] for s in sorted(evaluations)], [history[s] for s in sorted(history)]
 
 
-def start_evaluation(resolved: dict, overrides: tuple[str, ...], out: Path, work: Path) -> dict:
-    """The pretrained model's evaluation (iteration 0) through the recipe's ``evaluate``, once per evaluation
-    setting (weights, evaluation set and seed, sampler steps and shift) and stored in ``--out``/runs/."""
-    identity = {
+def start_identity(resolved: dict) -> dict:
+    """What the pretrained model's evaluation depends on: the weights, the evaluation set and seed, the ODE's steps
+    and shift, and the rewards (the proxy it reports). The sampler variant and the training keys do not enter."""
+    return {
         "weights": weights_of(resolved),
         "eval": resolved["eval"],
         "steps": resolved["sde"]["steps"],
         "shift": resolved["sde"]["shift"],
+        # only where they differ from the base's: its stored evaluation keeps the key it was filed under
+        **({"rewards": resolved["rewards"]} if resolved["rewards"] != experiment(())["rewards"] else {}),
     }
+
+
+def start_evaluation(resolved: dict, overrides: tuple[str, ...], out: Path, work: Path) -> dict:
+    """The pretrained model's evaluation (iteration 0) through the recipe's ``evaluate``, once per evaluation
+    setting (``start_identity``) and stored in ``--out``/runs/."""
+    identity = start_identity(resolved)
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
     path = out / "runs" / f"start-{key}.json"
     if path.exists():

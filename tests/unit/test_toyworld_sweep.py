@@ -207,3 +207,9 @@ def test_a_lever_is_timed_to_half_the_default_arms_proxy_gain():
     assert rows["window [0,2]"]["seconds"] == pytest.approx([15.0, 15.0, 20.0])
     assert rows["window [0,2]"]["reached"] == 2
     assert rows["window [0,2]"]["test"]["difference"] == pytest.approx(50 / 3 - 21.0)
+
+
+def test_the_pretrained_models_evaluation_is_shared_by_arms_that_report_the_same_proxy():
+    identity = {name: sweep.start_identity(sweep.experiment(sweep.ARMS[name].overrides)) for name in sweep.ARMS}
+    assert identity["dance"] == identity["base"] == identity["dual lr 3e-4"]  # the ODE evaluation ignores them
+    assert identity["MQ proxy, kl none"] == identity["MQ proxy, kl dual"] != identity["base"]
