@@ -268,6 +268,21 @@ def with_drift(record: dict, run_dir: Path, out: Path) -> dict:
     return record
 
 
+def brought_up_to_date(record: dict, arm: Arm, resolved: dict, seed: int, out: Path, work: Path, extra=()) -> dict:
+    """A finished run's record with the start evaluation its arm reports now and its drift, where either was missing
+    or wrong when it finished (drift only while its checkpoints are still there)."""
+    start = start_evaluation(resolved, (*arm.overrides, *extra), out, work)
+    first = record["evaluations"][0]
+    stale = any(first.get(name) != value for name, value in start.items())
+    if stale:
+        record["evaluations"][0] = {**start, **({"kl_from_start": 0.0} if "kl_from_start" in first else {})}
+    if "kl_from_start" not in record["evaluations"][-1]:
+        return with_drift(record, work / slug(arm.name) / f"seed{seed}", out)
+    if stale:
+        write_atomically(run_path(out, arm.name, seed), json.dumps(record))
+    return record
+
+
 def read_back(store: Path) -> tuple[list[dict], list[dict]]:
     """The one run in an embedded MLflow store: its evaluations (gold first) and its per-iteration history."""
     from mlflow.tracking import MlflowClient
@@ -372,9 +387,9 @@ def sweep(names: list[str], seeds: int, out: Path, work: Path, *, extra: tuple[s
     stored = {(arm.name, seed): finished(out, arm.name, resolved, seed) for arm, resolved, seed in jobs}
     todo = [job for job in jobs if stored[(job[0].name, job[2])] is None]
     print(f"{len(jobs) - len(todo)} of {len(jobs)} runs already finished in {out / 'runs'}; running {len(todo) * run}")
-    for (name, seed), record in stored.items():  # runs finished before their drift was measured
-        if run and record is not None and "kl_from_start" not in record["evaluations"][-1]:
-            stored[(name, seed)] = with_drift(record, work / slug(name) / f"seed{seed}", out)
+    for arm, resolved, seed in jobs if run else []:
+        if (record := stored[(arm.name, seed)]) is not None:
+            stored[(arm.name, seed)] = brought_up_to_date(record, arm, resolved, seed, out, work, extra)
     if run and todo:
         check_weights(jobs[0][1])
         for arm, resolved, seed in todo:

@@ -213,3 +213,16 @@ def test_the_pretrained_models_evaluation_is_shared_by_arms_that_report_the_same
     identity = {name: sweep.start_identity(sweep.experiment(sweep.ARMS[name].overrides)) for name in sweep.ARMS}
     assert identity["dance"] == identity["base"] == identity["dual lr 3e-4"]  # the ODE evaluation ignores them
     assert identity["MQ proxy, kl none"] == identity["MQ proxy, kl dual"] != identity["base"]
+
+
+def test_a_finished_run_gets_the_start_evaluation_its_arm_reports_now(fake_runs, tmp_path, monkeypatch):
+    sweep.sweep(["base"], 1, tmp_path, tmp_path / "work")
+    path = sweep.run_path(tmp_path, "base", 0)
+    record = json.loads(path.read_text())
+    record["evaluations"][0] = {**record["evaluations"][0], "reward": -1.0}  # filed under another arm's proxy
+    path.write_text(json.dumps(record))
+    (collected,) = sweep.sweep(["base"], 1, tmp_path, tmp_path / "work", run=False)["runs"]
+    assert collected["evaluations"][0]["reward"] == -1.0  # collecting reports, and changes nothing
+    (rerun,) = sweep.sweep(["base"], 1, tmp_path, tmp_path / "work")["runs"]
+    assert rerun["evaluations"][0]["reward"] != -1.0 and fake_runs == [("base", 0)]
+    assert json.loads(path.read_text())["evaluations"][0] == rerun["evaluations"][0]
