@@ -433,13 +433,14 @@ def _causal_masks_built_by_frame():
     """diffusers' HunyuanVideo 1.5 VAE builds its attention's frame-causal mask one token row at a time (5,376 rows
     for one 16 x 16 latent tile of 21 frames), each row an op that takes ~1 ms on fake tensors; the rows of a frame
     are alike, so this builds the same mask one frame at a time, allocating the same [S, S] tensor."""
-    from unittest import mock
-
     from diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15 import HunyuanVideo15AttnBlock
 
-    by_frame = staticmethod(causal_mask_by_frame)
-    with mock.patch.object(HunyuanVideo15AttnBlock, "prepare_causal_attention_mask", by_frame):
+    by_row = HunyuanVideo15AttnBlock.__dict__["prepare_causal_attention_mask"]
+    HunyuanVideo15AttnBlock.prepare_causal_attention_mask = staticmethod(causal_mask_by_frame)
+    try:
         yield
+    finally:
+        HunyuanVideo15AttnBlock.prepare_causal_attention_mask = by_row
 
 
 def causal_mask_by_frame(n_frame: int, n_hw: int, dtype, device, batch_size: int | None = None):
