@@ -168,14 +168,14 @@ def _drifted(arm: str, seed: int, kl: float, gold: float) -> dict:
 
 
 def test_the_frontier_asks_whether_the_trust_region_beats_a_smaller_lr_at_the_same_drift():
-    """No KL's runs lie on gold = 0.5 - 0.01 KL (+-0.001 by seed); the dual runs sit 0.02 above that line."""
+    """No KL's runs lie on gold = 0.5 - 0.01 sqrt(KL) (+-0.001 by seed); the dual runs sit 0.02 above that line."""
     jitter = [0.001, -0.001, 0.0005]
     runs = [
-        _drifted(arm, s, kl, 0.5 - 0.01 * kl + jitter[s])
-        for arm, kl in (("none lr 3e-5", 1.0), ("kl none", 2.0), ("none lr 3e-4", 4.0))
+        _drifted(arm, s, kl, 0.5 - 0.01 * kl**0.5 + jitter[s])
+        for arm, kl in (("none lr 3e-5", 1.0), ("kl none", 4.0), ("none lr 3e-4", 16.0))
         for s in range(3)
     ]
-    runs += [_drifted("kl dual", s, 1.5, 0.5 - 0.015 + 0.02 + jitter[s]) for s in range(3)]
+    runs += [_drifted("kl dual", s, 2.25, 0.5 - 0.015 + 0.02 + jitter[s]) for s in range(3)]
     summary = report.summarise(runs)
     frontier = report.beyond_lr(summary)
     assert frontier["intercept"] == pytest.approx(0.5, abs=1e-3) and frontier["slope"] == pytest.approx(-0.01, abs=1e-3)
@@ -183,30 +183,39 @@ def test_the_frontier_asks_whether_the_trust_region_beats_a_smaller_lr_at_the_sa
     rows = {r["claim"]: r for r in report.verdicts(summary)}
     assert rows[report.BEYOND_LR]["verdict"] == "holds"
     text = report.markdown({"runs": runs, "weights_sha256": "a", "base_config": "b"}, "r.json")
-    assert "| dual | 1e-4 | 3 | 1.500 ± 0.000 | 0.505 ± 0.001 |" in text
+    assert "| dual | 1e-4 | 3 | 2.250 ± 0.000 | 0.505 ± 0.001 |" in text
     # Without two drifts on the no-KL side there is no line, and no claim.
     assert report.beyond_lr(report.summarise([r for r in runs if r["arm"] in ("kl none", "kl dual")])) is None
+
+
+def _timed(arm: str, seed: int, proxies: list[float], s_per_iteration: float) -> dict:
+    run = _run(arm, seed, [0.5] * len(proxies))
+    for evaluation, proxy in zip(run["evaluations"], proxies):
+        evaluation["reward"] = proxy
+    return {**run, "train_s_per_iteration": s_per_iteration}
 
 
 def test_a_lever_is_timed_to_half_the_default_arms_proxy_gain():
     """The base arm's held-out proxy goes 0.80 -> 0.84 by iteration 20 (threshold 0.82, reached at iteration 10 at
     2 s/iteration: 20 s); the lever reaches it at iteration 15 at 1 s/iteration (15 s), or never (20 s, a bound)."""
+    runs = [_timed("base", s, [0.80, 0.81, 0.821 + 0.001 * s, 0.83, 0.84 + 0.001 * s], 2.0 + 0.1 * s) for s in range(3)]
+    runs += [_timed("window [0,2]", s, [0.80, 0.80, 0.81, 0.825, 0.83], 1.0) for s in range(2)]
+    runs += [_timed("window [0,2]", 2, [0.80, 0.80, 0.80, 0.80, 0.80], 1.0)]
+    (row,) = report.lever_rows(runs)
+    assert row["timed"] and row["gain"]["threshold"] == pytest.approx(0.8205)
+    assert row["seconds"] == pytest.approx([15.0, 15.0, 20.0]) and row["reached"] == 2
+    assert row["time"]["difference"] == pytest.approx(50 / 3 - 21.0)
+    assert row["s_per_iteration"]["difference"] == pytest.approx(-1.1)
+    assert row["proxy"]["difference"] == pytest.approx((0.83 * 2 + 0.80) / 3 - 0.841)
 
-    def timed(arm: str, seed: int, proxies: list[float], s_per_iteration: float) -> dict:
-        run = _run(arm, seed, [0.5] * len(proxies))
-        for evaluation, proxy in zip(run["evaluations"], proxies):
-            evaluation["reward"] = proxy
-        return {**run, "train_s_per_iteration": s_per_iteration}
 
-    runs = [timed("base", s, [0.80, 0.81, 0.821 + 0.001 * s, 0.83, 0.84], 2.0 + 0.1 * s) for s in range(3)]
-    runs += [timed("window [0,2]", s, [0.80, 0.80, 0.81, 0.825, 0.83], 1.0) for s in range(2)]
-    runs += [timed("window [0,2]", 2, [0.80, 0.80, 0.80, 0.80, 0.80], 1.0)]
-    rows = {row["arm"]: row for row in report.lever_rows(runs)}
-    assert rows["base"]["threshold"] == pytest.approx(0.82)
-    assert rows["base"]["seconds"] == pytest.approx([20.0, 21.0, 22.0]) and rows["base"]["reached"] == 3
-    assert rows["window [0,2]"]["seconds"] == pytest.approx([15.0, 15.0, 20.0])
-    assert rows["window [0,2]"]["reached"] == 2
-    assert rows["window [0,2]"]["test"]["difference"] == pytest.approx(50 / 3 - 21.0)
+def test_a_lever_is_not_timed_when_the_default_arm_gains_nothing():
+    runs = [_timed("base", s, [0.80, 0.81, 0.80 + 0.002 * (s - 1)], 2.0) for s in range(3)]
+    runs += [_timed("window [0,2]", s, [0.80, 0.80, 0.79], 1.0) for s in range(2)]
+    (row,) = report.lever_rows(runs)
+    assert not row["timed"] and row["time"] is None and row["proxy"] is not None
+    text = report.markdown({"runs": runs, "weights_sha256": "a", "base_config": "b"}, "r.json")
+    assert "not shown, so no lever can be timed to it" in text
 
 
 def test_the_pretrained_models_evaluation_is_shared_by_arms_that_report_the_same_proxy():
