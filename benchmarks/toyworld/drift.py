@@ -53,8 +53,10 @@ def checkpoint_weights(step_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def drift_by_iteration(run_dir: Path, base_config: Path) -> dict[int, float]:
-    """KL from the start at every checkpoint ``run_dir`` holds (iteration -> nats), and 0 at iteration 0."""
+    """KL from the start at every checkpoint ``run_dir`` holds (iteration -> nats), and 0 at iteration 0: the run's
+    own pretrained weights (its ``config.json``) on ``base_config``'s SDE."""
     import copy
+    import json
 
     from sage_grpo.pipeline.config import load_run_config
 
@@ -62,7 +64,7 @@ def drift_by_iteration(run_dir: Path, base_config: Path) -> dict[int, float]:
     from .world import HELD_OUT_CAPTIONS
 
     config = load_run_config(base_config, [])
-    adapter = toyworld_adapter(**config.model.kwargs)
+    adapter = toyworld_adapter(**json.loads((run_dir / "config.json").read_text())["model"]["kwargs"])
     policy = adapter.transformer  # the engine's module: its checkpoint holds every weight, the unused ones too
     start = copy.deepcopy(policy).requires_grad_(False)
     drift = {0: 0.0}

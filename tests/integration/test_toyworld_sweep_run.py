@@ -57,6 +57,9 @@ def test_a_two_iteration_arm_runs_through_the_recipe_and_its_gold_comes_back_fro
     assert results["weights_sha256"] == sha
     (run,) = results["runs"]
     assert [e["iteration"] for e in run["evaluations"]] == [0, 2]  # the pretrained model's, then the run's
+    # drift.py read the run's checkpoint (its own weights), then the checkpoints went
+    assert [e["kl_from_start"] > 0 for e in run["evaluations"]] == [False, True]
+    assert not (tmp_path / "work" / "kl_dual" / "seed0" / "checkpoints").exists()
     trained = run["evaluations"][-1]
     from mlflow.tracking import MlflowClient
 
