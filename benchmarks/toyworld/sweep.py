@@ -254,16 +254,20 @@ def run_one(arm: Arm, seed: int, resolved: dict, work: Path, extra: tuple[str, .
 def with_drift(record: dict, run_dir: Path, out: Path) -> dict:
     """``record`` with each evaluation's KL from the start (``drift.py``), measured from the checkpoints in
     ``run_dir`` (then deleted: they are large and DeepSpeed's scripts in them are not ours) and written to ``--out``.
-    A run whose checkpoints are gone keeps its record without drift."""
+    A run whose checkpoints are gone keeps its record without drift; one missing an evaluation's checkpoint keeps
+    them, and says so."""
     from .drift import drift_by_iteration
 
     checkpoints = run_dir / "checkpoints"
     if checkpoints.is_dir():
         drift = drift_by_iteration(run_dir, BASE_CONFIG)
-        if all(evaluation["iteration"] in drift for evaluation in record["evaluations"]):
+        missing = [e["iteration"] for e in record["evaluations"] if e["iteration"] not in drift]
+        if missing:
+            print(f"{run_dir}: no checkpoint at iteration(s) {missing}: drift not recorded, checkpoints kept")
+        else:
             for evaluation in record["evaluations"]:
                 evaluation["kl_from_start"] = drift[evaluation["iteration"]]
-        shutil.rmtree(checkpoints)
+            shutil.rmtree(checkpoints)
     write_atomically(run_path(out, record["arm"], record["seed"]), json.dumps(record))
     return record
 

@@ -235,3 +235,19 @@ def test_a_finished_run_gets_the_start_evaluation_its_arm_reports_now(fake_runs,
     (rerun,) = sweep.sweep(["base"], 1, tmp_path, tmp_path / "work")["runs"]
     assert rerun["evaluations"][0]["reward"] != -1.0 and fake_runs == [("base", 0)]
     assert json.loads(path.read_text())["evaluations"][0] == rerun["evaluations"][0]
+
+
+def test_drift_is_recorded_only_when_every_evaluation_has_its_checkpoint(tmp_path, monkeypatch, capsys):
+    from benchmarks.toyworld import drift
+
+    record = _run("base", 0, [0.5, 0.4, 0.3])  # evaluations at iterations 0, 5, 10
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    monkeypatch.setattr(drift, "drift_by_iteration", lambda run_dir, base: {0: 0.0, 10: 2.0})  # step 5 is missing
+    kept = sweep.with_drift(json.loads(json.dumps(record)), tmp_path / "run", tmp_path)
+    assert "kl_from_start" not in kept["evaluations"][-1] and checkpoints.is_dir()
+    assert "no checkpoint at iteration(s) [5]" in capsys.readouterr().out
+    monkeypatch.setattr(drift, "drift_by_iteration", lambda run_dir, base: {0: 0.0, 5: 1.0, 10: 2.0})
+    measured = sweep.with_drift(json.loads(json.dumps(record)), tmp_path / "run", tmp_path)
+    assert [e["kl_from_start"] for e in measured["evaluations"]] == [0.0, 1.0, 2.0] and not checkpoints.exists()
+    assert json.loads(sweep.run_path(tmp_path, "base", 0).read_text()) == measured
