@@ -92,6 +92,12 @@ def _flow_noise_scale(sigma, sigma_next, eta, flow_sigma_max):
     return eta * torch.sqrt(sigma / (1.0 - denominator_sigma))
 
 
+def _final_cps_std(sigma, eta):
+    # CPS keeps the noise level sigma_next * sin(eta pi / 2): none is left to share at sigma_next = 0. Its noisy last
+    # step takes SAGE's integrated variance over [0, sigma] (the same reverse SDE's marginal-preserving noise).
+    return torch.sqrt(sage_integrated_variance(sigma, torch.zeros_like(sigma), eta))
+
+
 def _mean_and_std(variant, v, x, sigma, sigma_next, eta, flow_sigma_max):
     dt = sigma_next - sigma
     if variant == "dance":
@@ -135,13 +141,17 @@ def sde_step(
     generator: torch.Generator | None = None,
     prev_sample: torch.Tensor | None = None,
     flow_sigma_max: float | None = None,
+    noisy_final_step: bool = False,
 ) -> SDEStepOutput:
     """One stochastic denoising step from ``sigma`` to ``sigma_next``.
 
     Draws ``prev_sample = mean + std * eps`` or, when ``prev_sample`` is given, scores that sample instead (this is how
-    training recomputes log-probs of recorded transitions). Where ``sigma_next == 0`` the step is the deterministic
-    Euler step ``x + dt * v`` for every variant: noise injected there would stay in the output video. ``eta = 0``
-    makes every variant the deterministic Euler step. Deterministic steps have ``std = 0`` and ``log_prob = 0``.
+    training recomputes log-probs of recorded transitions). The last step (``sigma_next == 0``) is stochastic with
+    ``noisy_final_step``: each variant's own formula at sigma_next = 0 (CPS, which has no noise left to share there,
+    takes SAGE's integrated variance around its x0 prediction), so it carries a log-prob and trains like every other
+    step; its noise stays in the video, as in Flow-GRPO's sampler. Without it the last step is the deterministic
+    Euler step ``x + dt * v``. ``eta = 0`` makes every variant the deterministic Euler step. Deterministic steps have
+    ``std = 0`` and ``log_prob = 0``.
     """
     check_eta(check_variant(variant), eta)
     dtype = _math_dtype(velocity, latents)
@@ -160,6 +170,11 @@ def sde_step(
     final = sigma_next_t == 0
     if eta == 0:
         mean, std = euler, torch.zeros_like(sigma_t)
+    elif noisy_final_step:
+        mean, std = _mean_and_std(variant, v, x, sigma_t, sigma_next_t, eta, flow_sigma_max)
+        std = torch.as_tensor(std, dtype=dtype, device=x.device)
+        if variant == "cps":
+            std = torch.where(final, _final_cps_std(sigma_t, eta), std)
     else:
         # Evaluate the variant where sigma_next > 0 only; a stand-in sigma_next keeps the discarded branch finite.
         stand_in = torch.where(final, sigma_t * 0.5, sigma_next_t)
@@ -182,7 +197,7 @@ def sde_step(
 
 
 def _std_and_mean_jacobian(variant, sigma, sigma_next, eta, flow_sigma_max):
-    """Noise std and d mean / d v for steps with sigma_next > 0, each variant derived from its mean formula."""
+    """Noise std and d mean / d v, each variant derived from its mean formula (CPS's for sigma_next > 0 only)."""
     dt = sigma_next - sigma
     if variant == "dance":
         # d score / d v = -(1 - sigma) / sigma
@@ -197,13 +212,21 @@ def _std_and_mean_jacobian(variant, sigma, sigma_next, eta, flow_sigma_max):
     return torch.sqrt(variance), dt - 0.5 * variance * (1.0 - sigma) / sigma
 
 
-def noise_stds(variant: str, sigmas: torch.Tensor, eta: float, *, flow_sigma_max: float | None = None) -> torch.Tensor:
-    """The noise std of every step of a schedule (``sigmas`` has T+1 entries ending at 0); 0 on deterministic steps.
+def noise_stds(
+    variant: str,
+    sigmas: torch.Tensor,
+    eta: float,
+    *,
+    flow_sigma_max: float | None = None,
+    noisy_final_step: bool = False,
+) -> torch.Tensor:
+    """The noise std of every step of a schedule (``sigmas`` has T+1 entries ending at 0); 0 on deterministic steps
+    (the last one unless ``noisy_final_step``, see ``sde_step``).
 
     Raises ValueError when a step's std is not
     finite or negative: such a step must never pass for a deterministic one (it would silently stop training).
     """
-    std, _ = _noise_terms(variant, sigmas, eta, flow_sigma_max)
+    std, _ = _noise_terms(variant, sigmas, eta, flow_sigma_max, noisy_final_step)
     bad = ~torch.isfinite(std) | (std < 0)
     if torch.any(bad):
         t = int(torch.nonzero(bad).flatten()[0])
@@ -214,23 +237,37 @@ def noise_stds(variant: str, sigmas: torch.Tensor, eta: float, *, flow_sigma_max
     return std
 
 
-def gradient_scales(variant: str, sigmas: torch.Tensor, eta: float, *, flow_sigma_max: float | None = None):
+def gradient_scales(
+    variant: str,
+    sigmas: torch.Tensor,
+    eta: float,
+    *,
+    flow_sigma_max: float | None = None,
+    noisy_final_step: bool = False,
+):
     """N_t = |d mean / d v| / std per step: how strongly a step's log-prob gradient scales. NaN on deterministic
     steps."""
-    std, jacobian = _noise_terms(variant, sigmas, eta, flow_sigma_max)
+    std, jacobian = _noise_terms(variant, sigmas, eta, flow_sigma_max, noisy_final_step)
     stochastic = std > 0
     return torch.where(stochastic, jacobian.abs() / torch.where(stochastic, std, 1.0), torch.nan)
 
 
-def _noise_terms(variant, sigmas, eta, flow_sigma_max):
+def _noise_terms(variant, sigmas, eta, flow_sigma_max, noisy_final_step):
     check_variant(variant)
     sigmas = torch.as_tensor(sigmas, dtype=torch.float64).cpu()
     sigma, sigma_next = sigmas[:-1], sigmas[1:]
     check_eta(variant, eta)
-    stochastic = (sigma_next > 0) & (eta > 0)
-    stand_in = torch.where(sigma_next > 0, sigma_next, sigma * 0.5)
+    final = sigma_next == 0
+    stochastic = (~final | noisy_final_step) & (eta > 0)
+    stand_in = torch.where(final, sigma * 0.5, sigma_next)
     std, jacobian = _std_and_mean_jacobian(variant, sigma, stand_in, eta, flow_sigma_max)
     std = torch.as_tensor(std, dtype=torch.float64).expand_as(sigma)
+    if noisy_final_step:
+        final_std, final_jacobian = _std_and_mean_jacobian(variant, sigma, torch.zeros_like(sigma), eta, flow_sigma_max)
+        if variant == "cps":
+            final_std = _final_cps_std(sigma, eta)
+        std = torch.where(final, torch.as_tensor(final_std, dtype=torch.float64), std)
+        jacobian = torch.where(final, final_jacobian, jacobian)
     return torch.where(stochastic, std, 0.0), torch.where(stochastic, jacobian, sigma_next - sigma)
 
 
@@ -241,12 +278,13 @@ def balance_factors(
     *,
     trained: torch.Tensor | None = None,
     flow_sigma_max: float | None = None,
+    noisy_final_step: bool = False,
 ):
     """S_t = median(N) / (N_t + 1e-8) for every step; 0 on deterministic steps, which carry no gradient.
 
     ``trained`` ([T] bool) restricts the median and the factors to the steps that are trained (an SDE window).
     """
-    scales = gradient_scales(variant, sigmas, eta, flow_sigma_max=flow_sigma_max)
+    scales = gradient_scales(variant, sigmas, eta, flow_sigma_max=flow_sigma_max, noisy_final_step=noisy_final_step)
     stochastic = ~torch.isnan(scales)
     if trained is not None:
         stochastic &= torch.as_tensor(trained, dtype=torch.bool, device=stochastic.device)
@@ -280,9 +318,9 @@ def sliding_window(window: tuple[int, int], steps: int, iteration: int, every: i
 
     ``window`` = (start, end) is its position at iteration 0; it keeps its size and moves one step towards low noise
     every ``every`` iterations. Starts range over 0 .. steps - size - 1, so the window never covers the last step (to
-    sigma 0, which injects no noise and never trains); past the last start it returns to 0, like MixGRPO's restart,
-    so a long run keeps cycling over the whole schedule. A function of the iteration alone: a resumed run slides
-    exactly as an uninterrupted one.
+    sigma 0: stochastic only with ``noisy_final_step``, and MixGRPO's windows never reach it); past the last start it
+    returns to 0, like MixGRPO's restart, so a long run keeps cycling over the whole schedule. A function of the
+    iteration alone: a resumed run slides exactly as an uninterrupted one.
     """
     start, end = window
     if not 0 <= start < end <= steps:

@@ -64,8 +64,10 @@ class RolloutConfig(BaseModel):
 
 
 class SDEConfig(BaseModel):
-    """The rollout sampler. ``window`` = (start, end) makes steps start..end-1 stochastic and the rest deterministic
-    (MixGRPO / Flow-GRPO-Fast); only stochastic steps are trained. ``ode`` samples deterministically everywhere.
+    """The rollout sampler. Every step is stochastic and trained, the last one included (``final_step``).
+    ``window`` = (start, end) makes steps start..end-1 stochastic and the rest deterministic (MixGRPO /
+    Flow-GRPO-Fast): a cost lever whose deterministic steps run on the updated weights untrained. ``ode`` samples
+    deterministically everywhere.
 
     Validated when the config loads, before any model: every step's noise std is finite and >= 0 on this schedule
     (a NaN std must never pass for a deterministic step), CPS's eta is at most 1, and some step trains."""
@@ -81,6 +83,10 @@ class SDEConfig(BaseModel):
     # iterations and wraps around (``core.sde.sliding_window``, MixGRPO's progressive window).
     window_schedule: Literal["fixed", "sliding"] = "fixed"
     window_every: int = Field(1, ge=1)
+    # The last step (to sigma 0) runs the model like every other: "stochastic" samples it with its own noise and
+    # log-prob, so it trains; "deterministic" makes it the Euler step, which never trains yet runs on the updated
+    # weights and makes the video (docs/algorithm.md, "Every model-dependent step trains": it undid every update).
+    final_step: Literal["stochastic", "deterministic"] = "stochastic"
 
     @model_validator(mode="after")
     def _valid_schedule(self) -> SDEConfig:
@@ -115,6 +121,10 @@ class SDEConfig(BaseModel):
         return self.model_copy(update={"window": sliding_window(self.window, self.steps, iteration, self.window_every)})
 
     @property
+    def noisy_final_step(self) -> bool:
+        return self.final_step == "stochastic"
+
+    @property
     def sde_variant(self) -> str:
         # With eta = 0 every variant of sde_step is the same Euler step, so 'ode' can borrow any of them.
         return "sage" if self.variant == "ode" else self.variant
@@ -129,14 +139,15 @@ class SDEConfig(BaseModel):
         """[T] float64 noise std of every step, 0 outside the window; ``sigmas`` default to the flow-matching
         schedule, the rollout passes its scheduler's. Raises ValueError on a non-finite or negative std."""
         sigmas = flow_match_sigmas(self.steps, self.shift) if sigmas is None else sigmas
-        stds = noise_stds(self.sde_variant, sigmas, self.eta)
+        stds = noise_stds(self.sde_variant, sigmas, self.eta, noisy_final_step=self.noisy_final_step)
         return torch.where(torch.tensor(self.step_etas(), dtype=torch.float64) > 0, stds, 0.0)
 
     def trained_steps_mask(self, sigmas: torch.Tensor | None = None) -> torch.Tensor:
         """The one rule for which steps train: [T] bool, True on the steps that inject noise inside the window.
 
-        Never the last step (to sigma 0, deterministic for every variant) nor a SAGE step lying wholly above its
-        sigma clamp (no noise): neither has a log-prob, so training them would only add zero-gradient micro-steps.
+        Never a deterministic step: the last one (to sigma 0) with ``final_step=deterministic``, one outside the
+        window, or a SAGE step lying wholly above its sigma clamp (no noise): none has a log-prob, so training them
+        would only add zero-gradient micro-steps.
         """
         return self.noise_stds(sigmas) > 0
 
@@ -150,7 +161,9 @@ class SDEConfig(BaseModel):
         steps, 0 on the others (``sigmas`` as in ``noise_stds``)."""
         sigmas = flow_match_sigmas(self.steps, self.shift) if sigmas is None else sigmas
         trained = self.trained_steps_mask(sigmas)
-        return balance_factors(self.sde_variant, sigmas, self.eta, trained=trained).float()
+        return balance_factors(
+            self.sde_variant, sigmas, self.eta, trained=trained, noisy_final_step=self.noisy_final_step
+        ).float()
 
 
 @dataclass
@@ -276,7 +289,7 @@ def generate(
             [generators[i] for i in batch],
             sigmas,
             step_etas,
-            sde_config.sde_variant,
+            sde_config,
             on_step=bar.update,
             record_means=record_means,
         )
@@ -329,7 +342,7 @@ def check_every_trained_expert_trains(sde_config: SDEConfig, adapter: VideoModel
 
 
 def _denoise(
-    adapter, embeddings, generators, sigmas, step_etas, variant, on_step, record_means
+    adapter, embeddings, generators, sigmas, step_etas, sde_config, on_step, record_means
 ) -> dict[str, torch.Tensor]:
     """One batch through every step: latents [B, T+1, ...], log_probs [B, T] and, with ``record_means``, means
     [B, T, ...]."""
@@ -342,7 +355,16 @@ def _denoise(
         noise = _per_sample_noise(generators, adapter.latent_shape(), adapter.device)
         # sde_step draws from one generator per batch; here each sample has its own, so take the step's Gaussian from
         # sde_step (prev_sample is a placeholder) and sample it ourselves, scoring exactly as sde_step would.
-        gaussian = sde_step(variant, velocity, x, sigma, sigma_next, eta, prev_sample=x)
+        gaussian = sde_step(
+            sde_config.sde_variant,
+            velocity,
+            x,
+            sigma,
+            sigma_next,
+            eta,
+            prev_sample=x,
+            noisy_final_step=sde_config.noisy_final_step,
+        )
         x = gaussian.mean + gaussian.std * noise
         latents.append(x)
         log_probs.append(gaussian_log_prob(x, gaussian.mean, gaussian.std))
@@ -404,6 +426,7 @@ def score_transition(
         sigma_next,
         eta,
         prev_sample=rollout.latents[on_device, steps + 1],
+        noisy_final_step=rollout.sde_config.noisy_final_step,
     )
 
 

@@ -20,7 +20,8 @@ DEMO = str(REPO / "configs" / "demo.yaml")
 CORPUS = [
     # sampler and schedule
     ("sde.steps=0", "sde.steps"),
-    ("sde.steps=1", "sde"),
+    ("sde.steps=1|sde.final_step=deterministic", "sde"),  # one step, and it does not train
+    ("sde.final_step=sometimes", "sde.final_step"),
     ("sde.steps=-3", "sde.steps"),
     ("sde.steps=100000", "sde.steps"),
     ("sde.eta=0", "sde"),
@@ -31,7 +32,7 @@ CORPUS = [
     ("sde.shift=0", "sde.shift"),
     ("sde.shift=.inf", "sde.shift"),
     ("sde.shift=-1", "sde.shift"),
-    ("sde.window=[7,8]", "sde"),
+    ("sde.window=[7,8]|sde.final_step=deterministic", "sde"),
     ("sde.window=[3,2]", "sde"),
     ("sde.window=[0,99]", "sde"),
     ("sde.variant=ode", "config"),

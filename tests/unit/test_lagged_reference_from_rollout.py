@@ -16,7 +16,7 @@ from tests.helpers import SGDEngine
 
 pytestmark = pytest.mark.unit
 
-SDE = SDEConfig(variant="sage", eta=0.7, steps=3, shift=3.0)
+SDE = SDEConfig(variant="sage", eta=0.7, steps=3, shift=3.0, final_step="deterministic")  # 2 trained steps
 MICRO_STEPS = 2  # per update: 2 chunks of 2 samples x 2 trained steps, over 2 updates per rollout
 
 

@@ -52,9 +52,18 @@ def test_rollout_records_every_step_of_every_sample(rollout, hunyuan_cfg):
     assert rollout.member_index.tolist() == [0, 1, 2, 0, 1, 2]
     assert rollout.sample_prompts[3] == PROMPTS[1] and rollout.group_size == 3
     torch.testing.assert_close(rollout.sigmas, flow_match_sigmas(t, 5.0).float())
-    # Every step but the last (sigma_next = 0, deterministic) is stochastic and trained.
+    # Every step is stochastic and trained, the last one (to sigma 0) included.
+    assert rollout.trained_steps.tolist() == [True, True, True, True]
+    assert torch.all(rollout.log_probs != 0) and torch.all(rollout.stds > 0)
+
+
+def test_a_deterministic_final_step_neither_injects_noise_nor_trains(hunyuan_cfg):
+    config = SDE.model_copy(update={"final_step": "deterministic"})
+    rollout = generate(hunyuan_cfg, PROMPTS, 2, config, seed=1, batch_size=2, decode=False)
     assert rollout.trained_steps.tolist() == [True, True, True, False]
     assert torch.all(rollout.log_probs[:, :-1] != 0) and torch.all(rollout.log_probs[:, -1] == 0)
+    means = recompute_log_probs(hunyuan_cfg, rollout, [SDE.steps - 1]).means
+    assert torch.equal(means[:, -1], rollout.latents[:, -1])  # the recorded video is its mean
 
 
 def pipeline_final_latents_hunyuan(adapter, rollout):
@@ -151,8 +160,8 @@ def test_recomputed_log_probs_equal_the_recorded_ones_exactly(rollout, hunyuan_c
     steps = range(SDE.steps)
     scores = recompute_log_probs(hunyuan_cfg, rollout, steps)
     assert torch.equal(scores.log_probs, rollout.log_probs)
-    # The last step is deterministic: the recorded latents are its mean.
-    assert torch.equal(scores.means[:, -1], rollout.latents[:, -1])
+    # The last step is noisy too: the recorded video is a draw around its mean, and scored like any other step.
+    assert not torch.allclose(scores.means[:, -1], rollout.latents[:, -1])
     with torch.enable_grad():  # as in training: the same numbers, now with a gradient
         trained = recompute_log_probs(hunyuan_cfg, rollout, [1], sample_index=rollout.batches[1])
     assert trained.log_probs.requires_grad
@@ -210,7 +219,7 @@ def test_long_sage_schedules_validate_and_never_train_a_step_without_noise(steps
     config = SDEConfig(variant="sage", eta=0.5, steps=steps, shift=5.0)
     trained = config.trained_steps_mask()
     stds = config.noise_stds()
-    assert torch.isfinite(stds).all() and torch.equal(trained, stds > 0) and not trained[-1]
+    assert torch.isfinite(stds).all() and torch.equal(trained, stds > 0) and trained[-1]
     assert trained.sum() >= steps * 0.95
 
 

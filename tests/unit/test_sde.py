@@ -88,11 +88,44 @@ def test_eta_zero_is_the_deterministic_euler_step(variant):
 
 
 @pytest.mark.parametrize("variant", sde.VARIANTS)
-def test_final_step_to_sigma_zero_is_deterministic(variant):
+def test_deterministic_final_step_to_sigma_zero_is_the_euler_step(variant):
     x, v = _inputs(seed=8)
     out = sde.sde_step(variant, v, x, 0.2, 0.0, ETA, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(out.prev_sample, x - 0.2 * v)
     assert torch.isfinite(out.log_prob).all()
+
+
+def _hand_final_step(variant, x, v, sigma, eta):
+    """The last step (sigma_next = 0) with noise: each variant's own formula there; CPS (no noise left to share)
+    takes SAGE's integrated variance around its x0 prediction."""
+    sage_variance = eta**2 * (-sigma + math.log(1 / (1 - sigma)))
+    if variant == "cps":
+        return x - sigma * v, math.sqrt(sage_variance)
+    return _hand_mean_std(variant, x, v, sigma, 0.0, eta)
+
+
+@pytest.mark.parametrize("variant", sde.VARIANTS)
+def test_noisy_final_step_follows_each_variants_formula_and_carries_a_log_prob(variant):
+    x, v = _inputs(seed=8)
+    mean, std = _hand_final_step(variant, x, v, 0.2, ETA)
+    out = sde.sde_step(variant, v, x, 0.2, 0.0, ETA, noisy_final_step=True, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(out.mean, mean)
+    assert float(out.std) == pytest.approx(std, rel=1e-12) and std > 0.05
+    expected = torch.distributions.Normal(mean, std).log_prob(out.prev_sample).flatten(1).mean(1)
+    torch.testing.assert_close(out.log_prob, expected)
+    assert not torch.allclose(out.prev_sample, mean)  # its noise stays in the video
+
+
+@pytest.mark.parametrize("variant", sde.VARIANTS)
+def test_noisy_final_steps_log_prob_has_a_gradient_through_the_velocity(variant):
+    """What makes the last step train: its recorded transition's log-prob depends on the network's prediction."""
+    x, v = _inputs(seed=10)
+    v.requires_grad_(True)
+    drawn = sde.sde_step(variant, v.detach(), x, 0.2, 0.0, ETA, noisy_final_step=True).prev_sample
+    for noisy, trains in ((True, True), (False, False)):
+        out = sde.sde_step(variant, v, x, 0.2, 0.0, ETA, prev_sample=drawn, noisy_final_step=noisy)
+        (grad,) = torch.autograd.grad(out.log_prob.sum(), v, allow_unused=True, materialize_grads=True)
+        assert bool(grad.abs().sum() > 0) == trains
 
 
 @pytest.mark.parametrize("variant", sde.VARIANTS)
@@ -126,14 +159,16 @@ def test_clamped_flow_first_step_std_exceeds_sage_by_the_formula_ratio():
 
 
 @pytest.mark.parametrize("variant", sde.VARIANTS)
-def test_mean_jacobian_matches_autograd(variant):
-    """N_t's numerator is d mean / d v; check each variant's analytic derivative against autograd."""
+@pytest.mark.parametrize("noisy_final_step", [True, False])
+def test_mean_jacobian_matches_autograd(variant, noisy_final_step):
+    """N_t's numerator is d mean / d v; check each variant's analytic derivative against autograd, every step."""
     sigmas = sde.flow_match_sigmas(6, 3.0)
-    _, jacobian = sde._noise_terms(variant, sigmas, ETA, None)
-    for t in range(5):
+    _, jacobian = sde._noise_terms(variant, sigmas, ETA, None, noisy_final_step)
+    for t in range(6):
         x = torch.randn(1, 3, dtype=torch.float64)
         v = torch.randn(1, 3, dtype=torch.float64, requires_grad=True)
-        out = sde.sde_step(variant, v, x, float(sigmas[t]), float(sigmas[t + 1]), ETA, prev_sample=x)
+        sigma, sigma_next = float(sigmas[t]), float(sigmas[t + 1])
+        out = sde.sde_step(variant, v, x, sigma, sigma_next, ETA, prev_sample=x, noisy_final_step=noisy_final_step)
         (grad,) = torch.autograd.grad(out.mean.sum(), v)
         torch.testing.assert_close(grad, torch.full_like(grad, float(jacobian[t])))
 
@@ -148,6 +183,16 @@ def test_equalized_gradient_scale_equals_the_median_on_every_trained_step(varian
     median = scales[trained].median()
     torch.testing.assert_close(scales[trained] * factors[trained], median.expand(int(trained.sum())), rtol=1e-6, atol=0)
     assert factors[-1] == 0
+
+
+@pytest.mark.parametrize("variant", sde.VARIANTS)
+def test_a_noisy_final_step_is_equalized_like_every_other(variant):
+    sigmas = sde.flow_match_sigmas(20, 5.0)
+    scales = sde.gradient_scales(variant, sigmas, ETA, noisy_final_step=True)
+    factors = sde.balance_factors(variant, sigmas, ETA, noisy_final_step=True)
+    assert not torch.isnan(scales).any()
+    torch.testing.assert_close(scales * factors, scales.median().expand(20), rtol=1e-6, atol=0)
+    assert sde.noise_stds(variant, sigmas, ETA, noisy_final_step=True)[-1] > 0
 
 
 def test_unequalized_sage_gradient_scale_spans_more_than_tenfold():

@@ -123,10 +123,10 @@ def test_train_experts_leaves_the_other_experts_steps_untrained():
     low_only = tiny_wan22(train_experts=["low"])
     sigmas = low_only.sigma_schedule(SDE.steps, SDE.shift)
     mask = trained_steps(SDE, low_only, sigmas)
-    assert [t for t in range(SDE.steps) if mask[t]] == [3, 4]  # the last step has no noise
+    assert [t for t in range(SDE.steps) if mask[t]] == [3, 4, 5]  # the last step (to sigma 0) trains too
     assert [m is low_only.transformer.low for m in low_only.trainable_modules()] == [True]
     both = tiny_wan22()
-    assert trained_steps(SDE, both, sigmas).sum() == 5
+    assert trained_steps(SDE, both, sigmas).sum() == 6
     check_every_trained_expert_trains(SDE, both, sigmas)
     with pytest.raises(ValueError, match="'high' expert is trained"):
         check_every_trained_expert_trains(SDE.model_copy(update={"window": (3, 5)}), both, sigmas)
