@@ -8,6 +8,11 @@ whole anchor cycle, see below) and judges what a first GPU run gets wrong:
 - devices: the trainable weights and the rollout's tensors sit on the device the run expects;
 - rewards: every reward returns one score per video (none failed) and the total is finite;
 - on-policy: the first update recomputes the rollout's log-probs exactly (|log ratio| within 1e-5, so nothing clipped);
+- one-update reward change: the first iteration's batch (each rank's first training prompts x the run's group size,
+  the iteration's seed and SDE sampler, with its noise) is re-sampled and scored after that iteration's update, and
+  the paired per-sample differences of the training reward (the weighted total GRPO optimises), gathered over ranks,
+  give "one update changes the reward by +x +- se" (mean +- std / sqrt(n)); it fails when the mean is below -2 se:
+  the update lowers, beyond noise, the reward it is given. One extra rollout and scoring of one batch;
 - the trust region acts: ``update/kl_grad_ratio`` (the update-level |lambda grad KL| / |grad policy|, at the run's
   own lambda) over a whole anchor cycle: the trial runs until ``trust_region.anchor_interval`` updates (a moving
   anchor's cycle; 3 for a reference that never refreshes) have followed the first measured update (the first update
@@ -24,7 +29,9 @@ Exit 0 when every check passes, 1 otherwise, with one line per failed check afte
 
 from __future__ import annotations
 
+import copy
 import math
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -44,6 +51,9 @@ ON_POLICY_TOLERANCE = 1e-5
 KL_GRAD_RATIO_BAND = (0.01, 0.3)
 TARGET_FACTOR = 2.0
 TRIAL_ITERATIONS = 3
+# A one-update change of the reward below -REWARD_DROP_SE standard errors of its paired differences fails.
+REWARD_DROP_SE = 2.0
+REWARD_CHANGE = "one-update reward change"
 # The judged window when the KL reference never refreshes (fixed anchor, velocity term only): no cycle to cover.
 WINDOW_WITHOUT_CYCLE = 3
 
@@ -99,7 +109,10 @@ def _trial_checks(trial: RunConfig, planned: RunConfig) -> list[Check]:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     try:
-        steps = []
+        # The first iteration's batch is the probe's fixed batch: its prompts are the ones the sampler gives next.
+        first_prompts = next(copy.deepcopy(recipe.sampler))
+        steps = [_timed_step(recipe)]
+        change = reward_change_check(_reward_differences(recipe, first_prompts), trial.update.updates_per_rollout)
         while not _trial_done(steps, trial):
             steps.append(_timed_step(recipe))
     except Exception as error:  # noqa: BLE001 - whatever stops the first iterations is the finding
@@ -112,6 +125,7 @@ def _trial_checks(trial: RunConfig, planned: RunConfig) -> list[Check]:
         device_check(recipe),
         reward_check(first, len(trial.rewards)),
         on_policy_check(first),
+        change,
         kl_ratio_check(steps, trial),
         memory_check(planned),
         time_check(last, planned),
@@ -191,6 +205,60 @@ def on_policy_check(metrics: dict[str, float]) -> Check:
         f"largest |log ratio| {mismatch:.3g} (tolerance {ON_POLICY_TOLERANCE:g}; nothing clipped below "
         "update.clip_range)",
     )
+
+
+def _reward_differences(recipe, prompt_ids: list[int]) -> list[float]:
+    """Right after the first iteration: its batch re-sampled, with the same noise, under the updated weights; each
+    sample's total reward after minus before (a sample either scored None or not finite is left out). Every rank's
+    differences, on every rank (an error on one rank is raised on all, none is left waiting in the gather): the K
+    ranks of a sequence-parallel group hold the same samples and count once."""
+
+    def here() -> list[float]:
+        scored = recipe.scorer.last_scored  # what the first iteration's train_step scored, and trained on
+        if scored is None:
+            raise RuntimeError("the first iteration left no scores to pair with (Scorer.last_scored)")
+        before = scored.total
+        after = recipe.resampled_rewards(prompt_ids, 0)
+        if len(after) != len(before):
+            raise RuntimeError(f"{len(after)} re-sampled samples for the first iteration's {len(before)}")
+        return [
+            a - b
+            for a, b in zip(after, before)
+            if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)
+        ]
+
+    by_rank = distributed.gather_or_raise(here)
+    return [d for share in recipe.parallel.one_per_sequence_group(by_rank) for d in share]
+
+
+def reward_change_check(differences: list[float], updates: int = 1) -> Check:
+    """What one update did to the training reward, from the paired per-sample differences (after - before) of the
+    same batch with the same noise: mean +- standard error (the sample std over sqrt(n), n >= 2). The rule: it fails
+    when mean < -2 se, the update lowering, beyond noise, the reward it is given; a rise, or a fall within noise,
+    passes. ``updates``: the optimizer steps one rollout takes (``update.updates_per_rollout``)."""
+    n = len(differences)
+    if n < 2:
+        return Check(
+            REWARD_CHANGE,
+            False,
+            f"{n} sample(s) scored both before and after the first update, too few to judge: did the reward fail "
+            "after it?",
+        )
+    mean = statistics.fmean(differences)
+    se = statistics.stdev(differences) / math.sqrt(n)
+    what = "one update changes" if updates == 1 else f"one rollout's {updates} updates change"
+    detail = (
+        f"{what} the reward by {mean:+.3g} +- {se:.2g} (mean +- se over {n} samples of the first batch, re-sampled "
+        f"with their noise after it; fails below -{REWARD_DROP_SE:g} se)"
+    )
+    if mean < -REWARD_DROP_SE * se:
+        return Check(
+            REWARD_CHANGE,
+            False,
+            f"{detail}: the update lowers the reward it is given; check the sampler's untrained steps (sde.window), "
+            "update.learning_rate, update.adam_eps and the gradient scale, and the gradient's sign",
+        )
+    return Check(REWARD_CHANGE, True, detail)
 
 
 def kl_ratio_check(steps: list[dict[str, float]], config: RunConfig) -> Check:

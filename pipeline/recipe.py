@@ -91,6 +91,9 @@ class Progress:
     mlflow_run_id: str | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     last_eval: dict[str, float] = field(default_factory=dict)
+    # The evaluation before the first update (``eval.at_start``): its metrics, and its per-prompt scores that every
+    # later evaluation is paired against. Empty until it ran.
+    start_eval: dict[str, Any] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -98,11 +101,13 @@ class Progress:
             "mlflow_run_id": self.mlflow_run_id or "",
             "history": self.history,
             "last_eval": self.last_eval,
+            "start_eval": self.start_eval,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iteration, self.history, self.last_eval = state["iteration"], state["history"], state["last_eval"]
         self.mlflow_run_id = state["mlflow_run_id"] or None
+        self.start_eval = state["start_eval"]
 
     @staticmethod
     def state_problem(state: dict[str, Any], step: int) -> str | None:
@@ -298,6 +303,8 @@ class SageGRPORecipe:
         if self._guard_stopped():  # a restart of a run the hacking guard stopped: it stays stopped
             return self.cleanup("hacking")
         with preemption_signals(config.run.preemption_grace_s) as preempted, bar, logging_redirect_tqdm():
+            if self.eval_scorer and config.eval.at_start and not progress.start_eval and progress.iteration == 0:
+                self.evaluate_start()
             while progress.iteration < config.run.max_iterations:
                 metrics, hacking = self.train_step(), False
                 if self.eval_scorer and progress.iteration % config.eval.every == 0:
@@ -331,7 +338,8 @@ class SageGRPORecipe:
         guard = self.config.eval.guard
         if guard.action == "disabled" or self.eval_judges is None:
             return False
-        found = evaluation.hacking_divergence([*self.progress.history, metrics], guard)
+        start = [self.progress.start_eval["metrics"]] if self.progress.start_eval else []
+        found = evaluation.hacking_divergence([*start, *self.progress.history, metrics], guard)
         if found is None:
             return False
         metrics[evaluation.GUARD_FIRED] = 1.0
@@ -428,9 +436,29 @@ class SageGRPORecipe:
     # Evaluation and sampling
     # ------------------------------------------------------------------------------------------------------------
 
+    def evaluate_start(self) -> None:
+        """The untrained policy's evaluation (iteration 0, ``eval.at_start``), logged at step 0 and kept (checkpointed
+        with the progress) as the baseline every later evaluation's paired deltas and the hacking guard start from."""
+        metrics, scores = self._evaluation()
+        self.progress.start_eval = {"metrics": metrics, "scores": distributed.broadcast_from_main(scores)}
+        if distributed.is_main():
+            self.tracker.log_metrics(metrics, step=0)
+            logger.info("iteration 0 (before training): eval/reward=%.4g", metrics["eval/reward"])
+
     def evaluate(self) -> dict[str, float]:
         """The policy on the held-out prompts with fixed seeds and deterministic sampling, scored by every reward and
-        extra metric; videos written under ``eval/iteration-N`` and logged."""
+        extra metric; videos written under ``eval/iteration-N`` and logged. After the start evaluation, each metric's
+        paired difference against it comes too (``evaluation.paired_deltas``)."""
+        metrics, scores = self._evaluation()
+        if self.progress.start_eval and self.progress.iteration > 0:
+            metrics |= distributed.broadcast_from_main(
+                evaluation.paired_deltas(self.progress.start_eval["scores"], scores)
+            )
+        self.progress.last_eval = metrics | {"iteration": self.progress.iteration}
+        return metrics
+
+    def _evaluation(self) -> tuple[dict[str, float], dict[str, list[float | None]]]:
+        """Every rank's metrics, and rank 0's per-prompt scores (empty elsewhere)."""
         iteration = self.progress.iteration
         out_dir = self.config.output_dir / "eval" / f"iteration-{iteration:05d}"
         with self.policy.updater.ema_swapped_in():  # the EMA weights when update.ema_decay is set
@@ -453,9 +481,7 @@ class SageGRPORecipe:
         for video in result.videos:
             self.tracker.log_artifact(video, artifact_dir)
         evaluation.log_samples(self.tracker, result, iteration, artifact_dir)
-        metrics = distributed.broadcast_from_main(result.metrics)
-        self.progress.last_eval = metrics | {"iteration": iteration}
-        return metrics
+        return distributed.broadcast_from_main(result.metrics), result.scores
 
     def sample(self, prompts: list[str], seed: int, out_dir: Path) -> list[Path]:
         """One deterministic (ODE) video per prompt, written by rank 0."""
@@ -476,6 +502,30 @@ class SageGRPORecipe:
         return [
             evaluation.write_video(rollout.videos[i], fps, out_dir / f"sample_{i:02d}") for i in range(len(prompts))
         ]
+
+    def resampled_rewards(self, prompt_ids: list[int], iteration: int) -> list[float | None]:
+        """Each sample's weighted total reward (the one GRPO optimises) for the batch ``train_step`` rolls out from
+        ``prompt_ids`` when ``progress.iteration`` is ``iteration``: its sampler, seed and batches, so the same noise,
+        under the weights as they are now. Nothing trains, nothing is logged or audited. ``sagegrpo preflight`` pairs
+        it with the totals ``train_step`` scored (``scorer.last_scored``): keep the two rollouts alike."""
+        config, policy = self.config, self.policy
+        prompts = [self.train_prompts[i] for i in prompt_ids]
+        group_size = config.rollout.group_size
+        metadata = self.prompt_set.metadata_for(in_groups(prompt_ids, group_size))
+        with self.scorer.overlapped(in_groups(prompts, group_size), metadata, fps=policy.adapter.fps) as sink:
+            generate(
+                policy.adapter,
+                prompts,
+                group_size,
+                config.sde.at_iteration(iteration),
+                iteration_seed(config.seed, iteration),
+                prompt_ids=prompt_ids,
+                batch_size=config.update.micro_batch_size,
+                embeddings=self.embeddings(prompts),
+                on_batch=sink.submit,
+                decode_batches=self.parallel.sequence_share,
+            )
+            return sink.result(across=self.parallel.across_sequence_group).total
 
     def export(self, out_dir: Path) -> Path:
         """The policy in the diffusers format (a LoRA adapter, or the whole transformer consolidated from ZeRO-3),

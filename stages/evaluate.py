@@ -90,6 +90,10 @@ class EvalConfig(BaseModel):
     judges: list[RewardSpec] = Field(default_factory=list)
     guard: HackingGuardConfig = Field(default_factory=HackingGuardConfig)
     write_videos: int = Field(2, ge=0)
+    # Evaluate the policy before its first update, and report every later evaluation as a paired difference against
+    # it (same prompts, same seeds): eval/<name>/delta and its standard error, eval/<name>/delta_se. Without it a run
+    # that lowers its reward looks like one whose reward moved.
+    at_start: bool = True
 
 
 @dataclass
@@ -168,6 +172,26 @@ def evaluate(
     if not write:  # rank 0 writes, and only rank 0 received the videos
         return Evaluation(metrics={})
     return _assembled(shards, prompts, adapter.fps, out_dir)
+
+
+def paired_deltas(start: dict[str, list[float | None]], now: dict[str, list[float | None]]) -> dict[str, float]:
+    """Each dimension's change since ``start`` as a paired difference over the prompts both scored (same prompts,
+    same seeds: the prompt-to-prompt spread cancels): ``eval/<name>/delta``, the mean difference, and
+    ``eval/<name>/delta_se``, its standard error (sample standard deviation / sqrt(n); NaN below two pairs)."""
+    deltas = {}
+    for name in sorted(start.keys() & now.keys()):
+        pairs = [(b, a) for b, a in zip(start[name], now[name]) if _finite(b) and _finite(a)]
+        differences = [a - b for b, a in pairs]  # type: ignore[operator]
+        count = len(differences)
+        mean = math.fsum(differences) / count if count else math.nan
+        spread = math.sqrt(math.fsum((d - mean) ** 2 for d in differences) / (count - 1)) if count > 1 else math.nan
+        deltas[f"eval/{name}/delta"] = mean
+        deltas[f"eval/{name}/delta_se"] = spread / math.sqrt(count) if count > 1 else math.nan
+    return deltas
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
 
 
 def _my_batches(count: int, batch_size: int, parallel: ParallelLayout) -> tuple[list[int], int]:

@@ -93,7 +93,9 @@ class _Attempt:
 
 
 class Scorer:
-    """Runs the configured rewards; ``failures`` counts failed samples per reward over the scorer's life.
+    """Runs the configured rewards; ``failures`` counts failed samples per reward over the scorer's life, and
+    ``last_scored`` is the last ScoredBatch it assembled (``score``, or an overlapped ``result``): ``sagegrpo
+    preflight`` pairs a training iteration's totals with the same batch re-sampled after its update.
 
     ``scoring`` holds ``ScoringConfig``'s fields (``Scorer(specs, **config.scoring.model_dump())``).
     """
@@ -105,6 +107,7 @@ class Scorer:
         self.failures: Counter[str] = Counter()
         # Dimensions each reward reported before, in its order: a failed call still reports them, as None.
         self._known_dimensions: dict[str, dict[str, None]] = {spec.name: {} for spec in specs}
+        self.last_scored: ScoredBatch | None = None
 
     def setup(self, device) -> None:
         for _, reward in self.rewards:
@@ -179,12 +182,13 @@ class Scorer:
                 self.failures[spec.name] += sum(failed)
         total = weighted_total(dimensions, weights, size)
         total = [None if failed else value for value, failed in zip(total, failed_samples)]
-        return ScoredBatch(
+        self.last_scored = ScoredBatch(
             total=total,
             dimensions=dimensions,
             failed=failed_counts,
             weights={name: weight for name, weight in weights.items() if weight != 0},
         )
+        return self.last_scored
 
     def _reward_scores(
         self, spec: RewardSpec, reward, attempts: list[tuple[list[int], _Attempt]], size: int

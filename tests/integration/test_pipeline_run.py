@@ -37,6 +37,12 @@ def _check_tracked_run(tracking_uri: str, experiment: str, iterations: int):
         "advantage/abs_mean",
     ):
         assert key in run.data.metrics, key
+    # The untrained policy is evaluated at step 0, and each later evaluation is its paired difference from it.
+    evaluations = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/reward")}
+    assert sorted(evaluations) == list(range(0, iterations + 1, 2))
+    (delta,) = client.get_metric_history(run.info.run_id, "eval/reward/delta")[-1:]
+    assert delta.value == pytest.approx(evaluations[delta.step] - evaluations[0], abs=1e-6)
+    assert run.data.metrics["eval/reward/delta_se"] > 0
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"plots", "config.json", "eval"} <= artifacts
     eval_files = [a.path for a in client.list_artifacts(run.info.run_id, "eval/iteration-00002")]

@@ -1,6 +1,8 @@
 """``sagegrpo preflight`` on the demo config: every check passes with the shipped (calibrated) trust region; the
-paper's literal lambda numbers leave the KL gradient out of band, and preflight says so with exit 1."""
+paper's literal lambda numbers leave the KL gradient out of band, and preflight says so with exit 1; a model whose
+update lowers the reward (its gradient's sign flipped) fails the one-update reward change."""
 
+import re
 import subprocess
 import sys
 
@@ -10,7 +12,22 @@ from tests.integration.pipeline_runs import DEMO, REPO, SHORT, environment
 
 pytestmark = [pytest.mark.integration]
 
-CHECKS = ["noise schedule", "devices", "rewards", "on-policy first update", "trust region acts", "peak memory", "time"]
+CHECKS = [
+    "noise schedule",
+    "devices",
+    "rewards",
+    "on-policy first update",
+    "one-update reward change",
+    "trust region acts",
+    "peak memory",
+    "time",
+]
+# The paired change, mean +- se, and how many samples it was paired over: 2 prompts x G = 2 on one rank (SHORT).
+REWARD_CHANGE = re.compile(
+    r"^one-update reward change +(pass|FAIL) +one update changes the reward by ([+-][0-9.e+-]+) \+- ([0-9.e+-]+) "
+    r"\(mean \+- se over 4 samples of the first batch",
+    re.MULTILINE,
+)
 
 
 def _preflight(tmp_path, *overrides):
@@ -41,6 +58,8 @@ def test_demo_passes_every_check_and_writes_nothing_into_the_run(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert _rows(result.stdout) == {name: "pass" for name in CHECKS} | {"peak memory": "n/a"}
     assert "projected" in result.stdout
+    [(_, change, se)] = REWARD_CHANGE.findall(result.stdout)
+    assert float(change) > -2 * float(se)  # the demo's update does not lower its reward
     assert not (tmp_path / "run").exists()  # a scratch folder, never the real run's checkpoints or MLflow store
 
 
@@ -65,3 +84,19 @@ def test_the_demo_with_an_lr_warm_up_passes_the_trust_region_check(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert _rows(result.stdout)["trust region acts"] == "pass"
     assert "geometric mean over updates" in result.stdout
+
+
+def test_an_update_that_lowers_the_reward_fails_the_reward_change_check(tmp_path):
+    # The demo's own tiny model, by dotted path, with one bug: its velocity sends back the negated gradient. Sampling
+    # is untouched (the same rewards, exactly on-policy), but the update descends the reward it is given.
+    reversed_model = "model.name=tests.fixtures.user_models:gradient_reversed_tiny_hunyuan15"
+    result = _preflight(tmp_path / "run", reversed_model)
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    rows = _rows(result.stdout)
+    assert rows["one-update reward change"] == "FAIL"
+    assert rows["rewards"] == rows["on-policy first update"] == "pass"
+    [(_, change, se)] = REWARD_CHANGE.findall(result.stdout)
+    assert float(change) < -2 * float(se)
+    [failed] = [line for line in result.stdout.splitlines() if line.startswith("preflight: one-update reward")]
+    assert failed.startswith("preflight: one-update reward change failed: one update changes the reward by -")
+    assert "the update lowers the reward it is given" in failed

@@ -63,3 +63,20 @@ def test_frame_grid_shows_the_frames_one_row_per_video():
     assert one.dtype == np.uint8 and one.shape[2] == 3 and two.shape[0] > 1.5 * one.shape[0]
     pure = lambda image, channel: ((image[..., channel] > 240) & (image.sum(-1) < 300)).sum()  # noqa: E731
     assert pure(one, 0) > 0 and pure(one, 2) == 0 and pure(two, 2) > 0
+
+
+def test_paired_deltas_are_the_mean_difference_over_prompts_both_scored_with_its_standard_error():
+    start = {"reward": [0.1, 0.5, None, 0.3], "VQ": [1.0, 2.0, 3.0, 4.0], "gone": [1.0, 1.0, 1.0, 1.0]}
+    now = {"reward": [0.2, 0.9, 0.4, math.nan], "VQ": [1.5, 2.5, 3.5, 4.5], "new": [0.0, 0.0, 0.0, 0.0]}
+    deltas = evaluation.paired_deltas(start, now)
+    differences = [0.1, 0.4]  # the pairs of prompts 0 and 1: prompt 2 failed at the start, prompt 3 now
+    assert deltas["eval/reward/delta"] == pytest.approx(0.25)
+    assert deltas["eval/reward/delta_se"] == pytest.approx(np.std(differences, ddof=1) / math.sqrt(2))
+    # A shift the same on every prompt is known exactly: the paired design cancels the prompts' spread.
+    assert deltas["eval/VQ/delta"] == pytest.approx(0.5) and deltas["eval/VQ/delta_se"] == pytest.approx(0.0)
+    assert set(deltas) == {"eval/reward/delta", "eval/reward/delta_se", "eval/VQ/delta", "eval/VQ/delta_se"}
+
+
+def test_a_single_pair_has_a_delta_but_no_standard_error():
+    deltas = evaluation.paired_deltas({"reward": [0.1, None]}, {"reward": [0.3, 0.2]})
+    assert deltas["eval/reward/delta"] == pytest.approx(0.2) and math.isnan(deltas["eval/reward/delta_se"])

@@ -53,3 +53,14 @@ def test_stop_asks_the_loop_to_stop_and_warn_or_off_do_not(tmp_path, action, sto
     assert guarded._guard(metrics) is stops
     assert (GUARD_FIRED in metrics) is (action != "disabled")
     assert guarded.policy.updater.controller.strength == 1.0
+
+
+def test_the_guard_reads_the_start_evaluation_as_its_first_point(tmp_path):
+    """With eval.at_start the untrained policy's evaluation is the guard's baseline: one later evaluation that hacks
+    is already a trend of two points (window 2), where without it the guard would have nothing to compare."""
+    guarded = recipe(tmp_path, "warn")
+    guarded.progress = Progress(iteration=2)
+    metrics = dict(HACKED)
+    assert guarded._guard(metrics) is False and GUARD_FIRED not in metrics  # no baseline: one point, no trend
+    guarded.progress.start_eval = {"metrics": {"eval/reward": -0.6, "eval/judge/contrast": 0.11}, "scores": {}}
+    assert guarded._guard(metrics) is False and metrics[GUARD_FIRED] == 1.0
