@@ -14,6 +14,7 @@ around the SDE mean of that velocity.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -155,6 +156,27 @@ class ToyWorldAdapter(VideoModelAdapter):
         return frames_to_uint8(world.decode(latents.cpu()))
 
 
+class PretrainedFinalStepAdapter(ToyWorldAdapter):
+    """A measurement, not a product: the sampler's last step (to sigma 0) runs on a frozen copy of the pretrained
+    weights, in rollouts and evaluations alike, while every other step runs on the policy. It shows what the last
+    step's own weights do to learning (docs/algorithm.md, "Every model-dependent step trains"); an export of it would
+    need two transformers, so the pipeline never ships it."""
+
+    def __init__(self, transformer: torch.nn.Module):
+        super().__init__(transformer)
+        self.pretrained = copy.deepcopy(transformer).requires_grad_(False)
+        self._final_sigma: float | None = None
+
+    def sigma_schedule(self, steps: int, shift: float) -> torch.Tensor:
+        sigmas = super().sigma_schedule(steps, shift)
+        self._final_sigma = float(sigmas[-2])
+        return sigmas
+
+    def predict_velocity(self, latents, sigma, embeddings, *, module=None) -> torch.Tensor:
+        final = module is None and self._final_sigma is not None and bool(torch.all(sigma == self._final_sigma))
+        return super().predict_velocity(latents, sigma, embeddings, module=self.pretrained if final else module)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Weights cached by the hash of everything that determines them
 # ----------------------------------------------------------------------------------------------------------------
@@ -181,12 +203,14 @@ def toyworld_adapter(
     *,
     sha256: str | None = None,
     pretrain_steps: int | None = None,
+    final_step_weights: str = "policy",
 ) -> ToyWorldAdapter:
     """``model.name: benchmarks.toyworld.model:toyworld_adapter``: the pretrained ToyWorld model for a recipe run
     (``sagegrpo run``), its used weights trainable. It loads the weights ``python -m benchmarks.toyworld.pretrain``
     cached and never fits them here; ``sha256`` (the weights file's, which ``pretrain`` prints) makes a run on other
     weights (pretraining elsewhere gives other weights) refuse to start; ``pretrain_steps`` picks the weights of a
-    shorter or longer fit (a test's). The ToyWorld has no CFG and runs in float32."""
+    shorter or longer fit (a test's); ``final_step_weights="pretrained"`` runs the last step on the pretrained
+    weights (``PretrainedFinalStepAdapter``, a measurement). The ToyWorld has no CFG and runs in float32."""
     from safetensors.torch import load_file
 
     from sage_grpo.core.errors import UserError
@@ -204,7 +228,10 @@ def toyworld_adapter(
         raise UserError(f"the ToyWorld weights at {path} have sha256 {found}, not model.kwargs.sha256 {sha256}")
     transformer = build_transformer(config.seed)
     transformer.load_state_dict(load_file(str(path)), strict=True)
-    return ToyWorldAdapter(train_used_weights(transformer.eval()))
+    if final_step_weights not in ("policy", "pretrained"):
+        raise UserError(f"final_step_weights must be policy or pretrained, got {final_step_weights!r}")
+    adapter = PretrainedFinalStepAdapter if final_step_weights == "pretrained" else ToyWorldAdapter
+    return adapter(train_used_weights(transformer.eval()))
 
 
 def weights_sha256(path: Path) -> str:
