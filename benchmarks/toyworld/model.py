@@ -215,12 +215,12 @@ def toyworld_adapter(
 
     from sage_grpo.core.errors import UserError
 
-    from .pretrain import cache_path, pretrain_config
+    from .pretrain import cached_weights, pretrain_config
 
     if guidance_scale != 1.0 or dtype not in ("float32", torch.float32):
         raise UserError("the ToyWorld model has no CFG and runs in float32: model.guidance_scale 1, dtype float32")
     config = pretrain_config(pretrain_steps)
-    path = cache_path(config)
+    path = cached_weights(config)
     if not path.exists():
         raise UserError(f"no pretrained ToyWorld weights at {path}: run python -m benchmarks.toyworld.pretrain first")
     found = weights_sha256(path)

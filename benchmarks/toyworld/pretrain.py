@@ -21,6 +21,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -30,7 +31,14 @@ from sage_grpo.core.sde import shift_sigmas
 from sage_grpo.stages.rollout import SDEConfig, generate
 
 from . import world
-from .model import CACHE_DIR, ToyWorldAdapter, build_transformer, train_used_weights, weights_key
+from .model import (
+    CACHE_DIR,
+    UNUSED_BRANCHES,
+    ToyWorldAdapter,
+    build_transformer,
+    train_used_weights,
+    weights_key,
+)
 from .rewards import GoldJudge, ToyWorldReward, manifold_drift
 
 SHIFT = 3.0  # the flow shift of both pretraining and every rollout on ToyWorld
@@ -51,8 +59,47 @@ def pretrain_config(steps: int | None = None) -> PretrainConfig:
     return PretrainConfig() if steps is None else dataclasses.replace(PretrainConfig(), steps=steps)
 
 
+# The default pretraining's weights ship with the repository: 21 minutes of fitting is no part of checking a number,
+# and pretraining on another CPU gives other weights (float reductions differ), so a fresh machine could not
+# reproduce RESULTS.md's ToyWorld tables otherwise. Only the trained weights ship: the unused branches never leave
+# their initialisation (``build_transformer(seed)``), which rebuilds them bit for bit, and so the cache file's sha256.
+SHIPPED_DIR = Path(__file__).resolve().parent / "pretrained"
+
+
 def cache_path(config: PretrainConfig):
     return CACHE_DIR / f"{weights_key(dataclasses.asdict(config))}.safetensors"
+
+
+def shipped_path(config: PretrainConfig) -> Path:
+    return SHIPPED_DIR / f"{weights_key(dataclasses.asdict(config))}.safetensors"
+
+
+def cached_weights(config: PretrainConfig) -> Path:
+    """The cache file of ``config``'s weights, written from the shipped weights where the cache has none yet (the
+    path is returned either way: whoever reads it says what to do when it is missing)."""
+    path, shipped = cache_path(config), shipped_path(config)
+    if not path.exists() and shipped.exists():
+        trained = load_file(str(shipped))
+        initial = build_transformer(config.seed).state_dict()
+        state = {name: trained.get(name, value).contiguous() for name, value in initial.items()}
+        _write_atomically(state, path)
+    return path
+
+
+def ship(config: PretrainConfig) -> Path:
+    """Write the trained part of the cached weights where the repository ships them."""
+    state = load_file(str(cache_path(config)))
+    trained = {name: value for name, value in state.items() if not name.startswith(UNUSED_BRANCHES)}
+    _write_atomically(trained, shipped_path(config))
+    return shipped_path(config)
+
+
+def _write_atomically(state: dict[str, torch.Tensor], path: Path) -> None:
+    # Write then rename: a run killed mid-write must not leave a truncated file under the final name.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".partial-{os.getpid()}")
+    save_file(state, str(partial))
+    os.replace(partial, path)
 
 
 def _learning_rate(config: PretrainConfig, step: int) -> float:
@@ -96,14 +143,9 @@ def pretrained_adapter(
     config: PretrainConfig = PretrainConfig(), *, force: bool = False, log_every: int = 0
 ) -> ToyWorldAdapter:
     """The adapter with weights for ``config``: from the cache, or fitted now and cached."""
-    path = cache_path(config)
+    path = cache_path(config) if force else cached_weights(config)
     if force or not path.exists():
-        state = fit(config, log_every=log_every)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Write then rename: a run killed mid-write must not leave a truncated file under the final name.
-        partial = path.with_suffix(f".partial-{os.getpid()}")
-        save_file(state, str(partial))
-        os.replace(partial, path)
+        _write_atomically(fit(config, log_every=log_every), path)
     transformer = build_transformer(config.seed)
     transformer.load_state_dict(load_file(str(path)), strict=True)
     return ToyWorldAdapter(transformer.eval())

@@ -12,9 +12,9 @@ is the first iterations of another (read the longer run's evaluation there inste
 other pretrained weights than the config's ``model.kwargs.sha256`` (results.json keeps that sha256). Then
 ``results.json`` is written and ``report.py`` regenerates the ToyWorld section of ``benchmarks/RESULTS.md`` from it.
 
-The pretrained model's evaluation (iteration 0: the recipe evaluates only after training iterations) is the same for
-every arm of one evaluation set and sampler schedule; the sweep takes it once through the recipe's own ``evaluate``
-and stores it beside the runs.
+The pretrained model's evaluation (iteration 0) is the run's own (``eval.at_start``); for a run without it, the sweep
+takes it once per evaluation set and sampler schedule through the recipe's own ``evaluate`` and stores it beside the
+runs.
 """
 
 from __future__ import annotations
@@ -373,9 +373,9 @@ def plan(names: list[str], seeds: int, extra: tuple[str, ...] = ()) -> list[tupl
 def check_weights(resolved: dict) -> str:
     """The sha256 of the cached pretrained weights, refused unless it is the one the config pins."""
     from .model import weights_sha256
-    from .pretrain import cache_path, pretrain_config
+    from .pretrain import cached_weights, pretrain_config
 
-    path = cache_path(pretrain_config(resolved["model"].get("kwargs", {}).get("pretrain_steps")))
+    path = cached_weights(pretrain_config(resolved["model"].get("kwargs", {}).get("pretrain_steps")))
     if not path.exists():
         raise UserError(f"no pretrained ToyWorld weights at {path}: run python -m benchmarks.toyworld.pretrain first")
     found = weights_sha256(path)
@@ -398,8 +398,9 @@ def sweep(names: list[str], seeds: int, out: Path, work: Path, *, extra: tuple[s
         check_weights(jobs[0][1])
         for arm, resolved, seed in todo:
             record = run_one(arm, seed, resolved, work, extra)
-            start = start_evaluation(resolved, (*arm.overrides, *extra), out, work)
-            record["evaluations"] = [start, *record["evaluations"]]
+            if record["evaluations"][0]["iteration"] != 0:  # a run with eval.at_start=false
+                start = start_evaluation(resolved, (*arm.overrides, *extra), out, work)
+                record["evaluations"] = [start, *record["evaluations"]]
             stored[(arm.name, seed)] = with_drift(record, work / slug(arm.name) / f"seed{seed}", out)
             first, last = record["evaluations"][0], record["evaluations"][-1]
             print(

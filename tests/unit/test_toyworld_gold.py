@@ -54,5 +54,21 @@ def test_the_adapter_refuses_weights_of_another_checksum(tmp_path, monkeypatch):
     trained = {name for name, p in adapter.transformer.named_parameters() if p.requires_grad}
     assert trained and not any(name.startswith(model.UNUSED_BRANCHES) for name in trained)
     monkeypatch.setattr(pretrain, "cache_path", lambda config: tmp_path / "missing.safetensors")
+    monkeypatch.setattr(pretrain, "SHIPPED_DIR", tmp_path / "nothing-shipped")
     with pytest.raises(UserError, match="run python -m benchmarks.toyworld.pretrain first"):
         model.toyworld_adapter()
+
+
+def test_the_shipped_weights_rebuild_the_pinned_cache_file_bit_for_bit(tmp_path, monkeypatch):
+    """A fresh machine has no cache: the repository's trained weights plus the untouched initial branches make the
+    very file configs/toyworld.yaml pins, so its sha256 check passes without 21 minutes of pretraining."""
+    import yaml
+
+    monkeypatch.setattr(pretrain, "CACHE_DIR", tmp_path / "cache")
+    kwargs = yaml.safe_load((Path(__file__).parents[2] / "configs" / "toyworld.yaml").read_text())["model"]["kwargs"]
+    adapter = model.toyworld_adapter(**kwargs)  # refuses any other weights
+    default = pretrain.pretrain_config()
+    assert model.weights_sha256(pretrain.cache_path(default)) == kwargs["sha256"]
+    shipped = pretrain.load_file(str(pretrain.shipped_path(default)))
+    assert shipped and not any(name.startswith(model.UNUSED_BRANCHES) for name in shipped)
+    assert adapter.transformer.proj_out.weight.requires_grad
