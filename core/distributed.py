@@ -13,7 +13,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -237,12 +237,27 @@ def init(timeout_minutes: float = 30.0) -> None:
 
 def all_reduce_mean(values: dict[str, float]) -> dict[str, float]:
     """Average scalar metrics over ranks (one collective for the whole dict)."""
+    return _all_reduce(values, "mean")
+
+
+def all_reduce_sum(values: dict[str, float]) -> dict[str, float]:
+    """Sum scalars over ranks (one collective for the whole dict): counts, and squared norms of partitioned tensors."""
+    return _all_reduce(values, "sum")
+
+
+def all_reduce_max(values: dict[str, float]) -> dict[str, float]:
+    """The largest value of each scalar over ranks (one collective for the whole dict)."""
+    return _all_reduce(values, "max")
+
+
+def _all_reduce(values: dict[str, float], how: Literal["mean", "sum", "max"]) -> dict[str, float]:
     if not dist.is_initialized() or dist.get_world_size() == 1 or not values:
         return dict(values)
     keys = sorted(values)
     packed = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device())
-    dist.all_reduce(packed)
-    packed /= dist.get_world_size()
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX if how == "max" else dist.ReduceOp.SUM)
+    if how == "mean":
+        packed /= dist.get_world_size()
     return dict(zip(keys, packed.tolist()))
 
 

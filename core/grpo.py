@@ -19,10 +19,14 @@ ADVANTAGE_EPS = 1e-8
 
 @dataclass(frozen=True)
 class Advantages:
-    """Per-sample advantages; ``valid`` is False for dropped samples and samples of degenerate groups."""
+    """Per-sample advantages; ``valid`` is False for dropped samples and samples of degenerate groups. ``groups``
+    counts the prompt groups the samples belong to, ``zero_variance_groups`` those whose scored rewards were all equal:
+    every advantage of such a group is 0 (to rounding), so it teaches the policy nothing."""
 
     values: torch.Tensor
     valid: torch.Tensor
+    groups: int
+    zero_variance_groups: int
 
 
 def group_advantages(
@@ -52,15 +56,24 @@ def group_advantages(
     valid = torch.zeros_like(scored)
     # Population std (unbiased=False) matches the reference and stays defined for groups of two.
     all_scored_std = _scored_std(rewards if all_rewards is None else _as_rewards(all_rewards))
-    for group in torch.unique(group_ids):
+    groups = torch.unique(group_ids)
+    zero_variance = 0
+    for group in groups:
         members = (group_ids == group) & scored
         if members.sum() < 2:
             continue
         group_rewards = rewards[members]
+        # Compared, not read off the advantages: three rewards of 0.1 leave r - mean at 1e-17, not 0.
+        zero_variance += bool(group_rewards.min() == group_rewards.max())
         scale = all_scored_std if global_std else group_rewards.std(unbiased=False)
         values[members] = (group_rewards - group_rewards.mean()) / (scale + ADVANTAGE_EPS)
         valid[members] = True
-    return Advantages(values=values.clamp(-clip, clip).to(torch.float32), valid=valid)
+    return Advantages(
+        values=values.clamp(-clip, clip).to(torch.float32),
+        valid=valid,
+        groups=len(groups),
+        zero_variance_groups=zero_variance,
+    )
 
 
 def _as_rewards(rewards) -> torch.Tensor:

@@ -26,6 +26,11 @@ gradient grows with the distance from its reference, 0 on an update whose refere
 updates are not measured. The ``calibrated`` preset steers lambda to hold the ratio at ``kl_ratio_target``
 (``core.grpo.GradientRatioController``); the ``paper`` preset's lambda in [1e-7, 1e-5] steers by the KL and leaves
 the ratio ~1e-6 (inert).
+
+Whether the model can learn (issue 49; docs/mlflow.md says how to read them): per applied update, the gradient's RMS
+against Adam's eps, the RMS change of the fp32 master weights per unit of learning rate and each top-level module's
+share of it (``core.learning_diagnostics``, measured by ``stages.master_weights.WeightStep``); per rollout, the
+fraction of prompt groups whose rewards have no variance and each update's first micro-step's ratio.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import logging
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -52,10 +57,12 @@ from sage_grpo.core.grpo import (
     stepwise_kl,
 )
 from sage_grpo.core.lazy import lazy_module
+from sage_grpo.core.learning_diagnostics import gradient_signals, mean_per_key, step_signals
 from sage_grpo.core.lr_schedules import LRSchedule, lr_multiplier
 from sage_grpo.core.progress import progress_bar
 from sage_grpo.core.trust_region import KLStrategy, TrustRegionConfig, WeightGradients
 from sage_grpo.stages.anchor import Anchor
+from sage_grpo.stages.master_weights import WeightStep
 from sage_grpo.stages.rollout import score_transition
 
 torch = lazy_module("torch", globals())
@@ -280,6 +287,11 @@ class _Totals:
     # One entry per measured optimizer update: {"": total, "position": ..., "velocity": ...}
     ratios: list[dict[str, float]] = field(default_factory=list)
     kl_weight: float = math.nan  # the lambda the (last) update trained with
+    learning_rate: float = math.nan  # the rate the (last) update stepped with
+    # Each update's first micro-step: (largest |ratio - 1|, clip fraction).
+    first_rows: list[torch.Tensor] = field(default_factory=list)
+    # One entry per applied optimizer update: its gradient and step sizes (core.learning_diagnostics).
+    steps: list[dict[str, float]] = field(default_factory=list)
 
     def add(self, terms: LossTerms) -> None:
         ratio = terms.surrogate.ratio.detach().float()
@@ -296,16 +308,27 @@ class _Totals:
             )
         )
 
+    def add_first(self, terms: LossTerms) -> None:
+        """An update's first micro-step: how far the policy already is from the rollout's before this update."""
+        ratio = terms.surrogate.ratio.detach().float()
+        self.first_rows.append(torch.stack([(ratio - 1).abs().max(), terms.surrogate.clipped.float().mean()]))
+
     def merge(self, other: _Totals) -> None:
         self.rows += other.rows
         self.ratios += other.ratios
+        self.first_rows += other.first_rows
+        self.steps += other.steps
         self.kl_weight = other.kl_weight
+        self.learning_rate = other.learning_rate
 
     def ratio_means(self) -> dict[str, float]:
         """The measured updates' gradient ratios, averaged; empty when no update of the rollout was measured."""
-        if not self.ratios:
-            return {}
-        return {key: sum(r[key] for r in self.ratios) / len(self.ratios) for key in self.ratios[0]}
+        return mean_per_key(self.ratios)
+
+    def first_micro_steps(self) -> tuple[float, float]:
+        """Over the updates' first micro-steps on this rank: the largest |ratio - 1| and the mean clip fraction."""
+        table = torch.stack(self.first_rows).double().cpu()
+        return table[:, 0].max().item(), table[:, 1].mean().item()
 
     def _table(self) -> torch.Tensor:
         return torch.stack(self.rows).double().cpu() if self.rows else torch.empty(0, len(self.FIELDS) + 2)
@@ -403,12 +426,14 @@ class Updater:
         self.skipped_updates = 0
         self.skipped_in_a_row = 0  # not checkpointed: a resumed run gets max_skipped_updates afresh
         self.weight_gradients: WeightGradients | None = None  # the update being measured in weight space
+        self.weight_step = WeightStep(engine.module)  # each update's change of the master weights
         self.lagged_forward_share = 1.0  # of the last rollout's updates, those that ran the lagged policy's forwards
 
     # -- the recipe -----------------------------------------------------------------------------------------------
 
     def update(self, rollout, advantages: Advantages) -> dict[str, float]:
-        """``updates_per_rollout`` optimizer updates on this rollout; metrics are over all of them."""
+        """``updates_per_rollout`` optimizer updates on this rollout; metrics are over all of them. Collective: every
+        rank calls it."""
         weights = self._timestep_weights(rollout)
         minibatches = self._minibatches(rollout)
         if len(minibatches[0]) != self.engine.gradient_accumulation_steps():
@@ -427,12 +452,16 @@ class Updater:
             if self.lagged is not None:
                 self.lagged.stage()  # this update's starting weights: the lagged policy once the update is applied
             lagged_forwards += not lagged_is_rollout
-            minibatch = _Totals(kl_weight=self.controller.value)
+            minibatch = _Totals(kl_weight=self.controller.value, learning_rate=self._learning_rate())
+            self.weight_step.start(self.engine.optimizer)
             measured = self._strength_measurable()
             in_weight_space = measured and self.trust.measure_weight_space
             self.weight_gradients = WeightGradients(self.engine.module) if in_weight_space else None
-            for terms in self.losses(rollout, advantages, weights, micro_steps, lagged_from_rollout=lagged_is_rollout):
+            losses = self.losses(rollout, advantages, weights, micro_steps, lagged_from_rollout=lagged_is_rollout)
+            for index, terms in enumerate(losses):
                 minibatch.add(terms)
+                if index == 0:
+                    minibatch.add_first(terms)
                 if measured:
                     minibatch.gradients.add(terms, self.trust)
                 # The K ranks of a sequence-parallel group hold one sample's loss each, and each backward carries the
@@ -450,7 +479,7 @@ class Updater:
             totals.merge(minibatch)
         bar.close()
         self.lagged_forward_share = lagged_forwards / len(minibatches)
-        return self._metrics(totals, weights, rollout, skipped)
+        return self._metrics(totals, weights, rollout, skipped) | self._zero_variance_groups(advantages)
 
     @property
     def reads_rollout_means(self) -> bool:
@@ -484,7 +513,7 @@ class Updater:
         weights = self._timestep_weights(rollout) if weights is None else weights
         device = rollout.latents.device
         # Once per update: group_advantages builds CPU tensors, the policy's ratio lives on the model's device.
-        advantages = Advantages(advantages.values.to(device), advantages.valid.to(device))
+        advantages = replace(advantages, values=advantages.values.to(device), valid=advantages.valid.to(device))
         transitions = self._transitions(rollout) if transitions is None else transitions
         references_of = self._reference_means(rollout, transitions, lagged_from_rollout=lagged_from_rollout)
         for transition, references in zip(transitions, references_of):
@@ -623,6 +652,7 @@ class Updater:
             return 1
         self.skipped_in_a_row = 0
         self.updates_done += 1
+        minibatch.steps.append(self._step_sizes(minibatch.learning_rate))
         ratios = minibatch.gradients.ratios(self.controller.value, self.trust) if minibatch.gradients.rows else None
         in_weight_space = self.weight_gradients.ratio(self.controller.value) if self.weight_gradients else None
         if ratios is not None and in_weight_space is not None:
@@ -642,8 +672,39 @@ class Updater:
             self.ema.blend(self.config.ema_decay)
         return 0
 
+    def _step_sizes(self, learning_rate: float) -> dict[str, float]:
+        """The applied update's gradient RMS (against Adam's eps), its step per unit of ``learning_rate`` and each
+        top-level module's share of it (``core.learning_diagnostics``), over every rank. Collective."""
+        sizes: dict[str, float] = {}
+        grad_norm = self.engine.get_global_grad_norm()  # before clipping, averaged over ranks and micro-steps
+        if grad_norm is not None:
+            sizes |= gradient_signals(
+                float(grad_norm),
+                self.weight_step.coordinates,
+                # Under Muon DeepSpeed's norm is that of the orthogonalized updates, and eps is only the auxiliary
+                # Adam's (biases, norms): no ratio to read.
+                adam_eps=self.config.adam_eps if self.config.optimizer == "adamw" else None,
+                gradient_clipping=self.config.gradient_clipping,
+            )
+        squared = self.weight_step.squared_change(self.engine.optimizer)
+        if squared is not None:
+            sizes |= step_signals(squared, self.weight_step.coordinates, learning_rate)
+        return sizes
+
+    def _learning_rate(self) -> float:
+        """The scheduler's current rate: the next update's (read where DeepSpeed's engine.get_lr() reads it)."""
+        return float(self.engine.optimizer.param_groups[0]["lr"])
+
+    def _zero_variance_groups(self, advantages: Advantages) -> dict[str, float]:
+        """The fraction of every rank's prompt groups whose rewards were all equal: no learning signal. Collective."""
+        counts = distributed.all_reduce_sum(
+            {"groups": advantages.groups, "zero_variance": advantages.zero_variance_groups}
+        )
+        return {"zero_variance_groups": counts["zero_variance"] / counts["groups"]} if counts["groups"] else {}
+
     def _metrics(self, totals: _Totals, weights, rollout, skipped: int) -> dict[str, float]:
         means = totals.means()
+        first_max, means["first_micro_step/clip_fraction"] = totals.first_micro_steps()
         reused = self.config.updates_per_rollout > 1
         if not reused:
             # One update per rollout: every micro-step scores the rollout's own transitions with the weights that
@@ -654,6 +715,10 @@ class Updater:
             means.pop("ratio_mean", None)
             means.pop("clip_fraction", None)
         metrics = distributed.all_reduce_mean(means)
+        # The first update's first micro-step scores the rollout's transitions with its own weights (|ratio - 1| is
+        # the forward's rounding); each later update's shows how far the updates before it moved the policy.
+        metrics |= distributed.all_reduce_max({"first_micro_step/max_abs_ratio_minus_1": first_max})
+        metrics |= mean_per_key(totals.steps)  # over the rollout's applied updates, already over all ranks
         ratio_min, ratio_max = totals.ratio_range()
         if reused:
             metrics["ratio_min"], metrics["ratio_max"] = ratio_min, ratio_max
@@ -664,9 +729,8 @@ class Updater:
         metrics["lambda_kl"] = totals.kl_weight
         grad_norm = self.engine.get_global_grad_norm()
         metrics["grad_norm"] = float("nan") if grad_norm is None else float(grad_norm)
-        # As HF Trainer and torchtune log it: the scheduler's rate after this iteration's updates (the next update's),
-        # read where DeepSpeed's engine.get_lr() reads it.
-        metrics["learning_rate"] = float(self.engine.optimizer.param_groups[0]["lr"])
+        # As HF Trainer and torchtune log it: the scheduler's rate after this iteration's updates (the next update's).
+        metrics["learning_rate"] = self._learning_rate()
         trained = weights[rollout.trained_steps.cpu()]
         metrics["equalizer_min"], metrics["equalizer_max"] = float(trained.min()), float(trained.max())
         metrics["skipped"] = float(skipped)

@@ -111,3 +111,27 @@ def test_lora_trains_only_the_adapter(scenario):
         assert report["trainable_changed"]
         if kind == "lora":
             assert report["frozen_count"] > 0 and report["frozen_identical"]
+
+
+# Summed over the ranks' partitions and all-reduced: the same training on 1 and on 2 ranks logs the same sizes.
+SIZES = ("grad_rms", "grad_rms_over_eps", "step_rms_per_lr", "zero_variance_groups")
+
+
+def test_learning_diagnostics_are_over_every_rank(scenario):
+    _, _, reports = scenario
+    single = reports[1][0]["history"]
+    for report in reports[2]:
+        for update, (one, two) in enumerate(zip(single, report["history"]), start=1):
+            keys = [key for key in one if key in SIZES or key.startswith("update_share/")]
+            if update == 4:  # skipped (its loss is NaN on one rank): nothing moved, no step to size
+                assert keys == ["zero_variance_groups"]
+            else:
+                assert {"step_rms_per_lr", "grad_rms"} <= set(keys)
+                shares = [one[key] for key in keys if key.startswith("update_share/")]
+                assert len(shares) > 1 and math.fsum(shares) == pytest.approx(1.0)
+            assert {key: two[key] for key in keys} == pytest.approx({key: one[key] for key in keys}, rel=1e-3)
+    # Each rank trains on its own first micro-steps; the all-reduced values agree.
+    first, second = (report["history"] for report in reports[2])
+    for mine, theirs in zip(first, second):
+        keys = [key for key in mine if key.startswith("first_micro_step/")]
+        assert len(keys) == 2 and {key: mine[key] for key in keys} == {key: theirs[key] for key in keys}

@@ -8,6 +8,7 @@ and the trainable weights (gathered from ZeRO-3 partitions) for the test to comp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -85,7 +86,7 @@ def main():
         if update == args.nan_update and rank == world - 1:
             values[0] = float("nan")
         before = gathered_state(engine.module, trainable=True) if update == args.nan_update else None
-        metrics = updater.update(local_rollout, type(local_advantages)(values, local_advantages.valid))
+        metrics = updater.update(local_rollout, dataclasses.replace(local_advantages, values=values))
         if before is not None:
             after = gathered_state(engine.module, trainable=True)
             metrics["weights_unchanged"] = float(all(torch.equal(before[k], after[k]) for k in before))

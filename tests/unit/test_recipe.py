@@ -53,6 +53,12 @@ PROMISED = {
     "update/equalizer_min",
     "update/equalizer_max",
     "update/logprob_mismatch",
+    "update/grad_rms",
+    "update/grad_rms_over_eps",
+    "update/step_rms_per_lr",
+    "update/zero_variance_groups",
+    "update/first_micro_step/max_abs_ratio_minus_1",
+    "update/first_micro_step/clip_fraction",
     "advantage/abs_mean",
     "time/rollout",
     "time/score",
@@ -124,8 +130,14 @@ def test_the_loop_runs_its_iterations_and_records_the_promised_metrics(straight)
     assert straight.header.endswith("iterations 1..3 (from the start)")
     assert ": 1 data-parallel rank(s) x " in straight.header
     shown = [line for line in straight.lines if line.startswith("iteration ")]
-    assert [line.split(":")[0] for line in shown] == ["iteration 1", "iteration 2", "iteration 3"]
-    assert "reward/mean=" in shown[0] and "eval/reward=" in shown[1]
+    expected = ["iteration 0 (before training)", "iteration 1", "iteration 2", "iteration 3"]
+    assert [line.split(":")[0] for line in shown] == expected
+    assert "eval/reward=" in shown[0] and "reward/mean=" in shown[1] and "eval/reward=" in shown[2]
+    # Evaluated at the start (eval.at_start) and paired against it at iteration 2: its delta and standard error.
+    assert history[1]["eval/reward/delta"] == pytest.approx(
+        history[1]["eval/reward"] - float(shown[0].split("=")[-1]), abs=1e-3
+    )
+    assert history[1]["eval/reward/delta_se"] >= 0
 
 
 def test_the_loop_checkpoints_when_due_and_at_the_end_and_a_completed_run_is_exported(straight):
