@@ -64,7 +64,7 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return checkpoint_weights(steps[-1][1])
 
 
-def paired_training_reward(run_dir: Path) -> dict[str, float]:
+def paired_training_reward(run_dir: Path, overrides: tuple[str, ...]) -> dict[str, float]:
     """The run's final policy minus its pretrained one on the training captions, sampled with the run's training
     sampler from identical noise: per-sample paired differences of the proxy total and of gold (mean, se, n)."""
     from sage_grpo.core.rewards.base import VideoBatch
@@ -75,7 +75,7 @@ def paired_training_reward(run_dir: Path) -> dict[str, float]:
     from .model import toyworld_adapter
     from .world import TRAIN_CAPTIONS
 
-    config = load_run_config(run_dir / "config.json", [])
+    config = load_run_config(BASE_CONFIG, list(overrides))
     adapter = toyworld_adapter(**config.model.kwargs)
     start = copy.deepcopy(adapter.transformer.state_dict())
     scorer = Scorer(config.rewards + config.eval.judges)  # gold: a zero-weight reward or a judge, never in the total
@@ -124,9 +124,12 @@ def measure(arm: Arm, seed: int, out: Path, work: Path, iterations: int) -> dict
         return json.loads(path.read_text())
     overrides = (*arm.overrides, f"run.max_iterations={iterations}")
     resolved = experiment(overrides)
-    record = run_one(Arm(arm.name, overrides), seed, resolved, work)
     run_dir = work / slug(arm.name) / f"seed{seed}"
-    record |= paired_training_reward(run_dir) | held_out_deltas(run_dir / "mlflow.db")
+    if (run_dir / "checkpoints" / f"step-{iterations}" / "manifest.json").exists():  # trained, not yet measured
+        record = {"arm": arm.name, "overrides": list(overrides), "seed": seed, "experiment": resolved}
+    else:
+        record = run_one(Arm(arm.name, overrides), seed, resolved, work)
+    record |= paired_training_reward(run_dir, overrides) | held_out_deltas(run_dir / "mlflow.db")
     record["evaluations"], record["history"] = read_back(run_dir / "mlflow.db")
     record.pop("experiment")
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # large, and measured now

@@ -6,7 +6,9 @@ earlier 1500 steps reached colour 0.76 but direction 0.12: gold 0.060, 12.5% the
 the wrong way, too rare for gold to be learnable. Much shorter pretraining is not a cheaper stand-in: 150 steps give
 a model (reward 0.12) that GRPO only degrades.
 
-    python -m benchmarks.toyworld.pretrain [--steps N] [--force]
+    python -m benchmarks.toyworld.pretrain [--steps N] [--force] [--ship]
+
+The default weights ship with the repository (``SHIPPED_DIR``): without --force this loads them.
 
 Flow matching, as the model samples: x_t = (1 - sigma) x_0 + sigma * noise, sigma drawn uniformly in time and then
 shifted exactly like the sampling schedule, so training covers the sigmas rollouts visit. The transformer predicts x_0
@@ -38,6 +40,7 @@ from .model import (
     build_transformer,
     train_used_weights,
     weights_key,
+    weights_sha256,
 )
 from .rewards import GoldJudge, ToyWorldReward, manifold_drift
 
@@ -183,12 +186,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, help="override the number of optimizer steps")
     parser.add_argument("--force", action="store_true", help="refit even when cached weights exist")
+    parser.add_argument(
+        "--ship", action="store_true", help="write the trained weights where the repository ships them (then re-pin)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # on a shared 2-core machine one thread is fastest and steadiest
     config = pretrain_config(args.steps)
     start = time.perf_counter()
     adapter = pretrained_adapter(config, force=args.force, log_every=100)
     print(f"weights: {cache_path(config)}  ({time.perf_counter() - start:.1f}s)")
+    if args.ship:
+        print(f"shipped: {ship(config)}; pin sha256 {weights_sha256(cache_path(config))} in configs/toyworld.yaml")
     with torch.no_grad():
         for name, captions, samples in (("held-out", world.HELD_OUT_CAPTIONS, 16), ("train", world.TRAIN_CAPTIONS, 4)):
             scores = evaluate(adapter, captions=captions, samples_per_caption=samples)
