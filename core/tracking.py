@@ -276,15 +276,22 @@ class Tracker:
     def logged_through(self, key: str) -> int:
         """The highest step at which ``key`` was logged to this run (0 if never, or unknown during an outage): a run
         that re-executes iterations after a resume skips what its MLflow run already holds."""
+        return max(self._logged_steps(key), default=0)
+
+    def has_logged(self, key: str, step: int) -> bool:
+        """Whether ``key`` was logged at ``step`` in this run (False when unknown, during an outage)."""
+        return step in self._logged_steps(key)
+
+    def _logged_steps(self, key: str) -> set[int]:
         if not self.enabled or self.run_id is None:
-            return 0
+            return set()
         try:
-            return max((metric.step for metric in self._client.get_metric_history(self.run_id, key)), default=0)
+            return {metric.step for metric in self._client.get_metric_history(self.run_id, key)}
         except (MlflowException, requests.RequestException, OSError) as error:
             log.warning(
                 "could not read the MLflow run's history (%s); iterations may be logged twice", first_line(error)
             )
-            return 0
+            return set()
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         if not self.enabled:

@@ -303,7 +303,7 @@ class SageGRPORecipe:
         if self._guard_stopped():  # a restart of a run the hacking guard stopped: it stays stopped
             return self.cleanup("hacking")
         with preemption_signals(config.run.preemption_grace_s) as preempted, bar, logging_redirect_tqdm():
-            if self.eval_scorer and config.eval.at_start and not progress.start_eval and progress.iteration == 0:
+            if progress.iteration == 0 and config.eval.at_start and not progress.start_eval and self.eval_scorer:
                 self.evaluate_start()
             while progress.iteration < config.run.max_iterations:
                 metrics, hacking = self.train_step(), False
@@ -442,7 +442,9 @@ class SageGRPORecipe:
         metrics, scores = self._evaluation()
         self.progress.start_eval = {"metrics": metrics, "scores": distributed.broadcast_from_main(scores)}
         if distributed.is_main():
-            self.tracker.log_metrics(metrics, step=0)
+            # A run killed before its first checkpoint evaluates again on restart: the same numbers, logged once.
+            if not self.tracker.has_logged("eval/reward", 0):
+                self.tracker.log_metrics(metrics, step=0)
             logger.info("iteration 0 (before training): eval/reward=%.4g", metrics["eval/reward"])
 
     def evaluate(self) -> dict[str, float]:

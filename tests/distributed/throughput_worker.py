@@ -24,7 +24,7 @@ from sage_grpo.stages.update import UpdateConfig, Updater
 
 PROMPTS = ["a red ball bouncing", "a blue car driving at night"]
 REWARDS = [0.1, 0.9, 0.7, 0.2]
-SDE = SDEConfig(variant="sage", eta=0.7, steps=4, shift=3.0)  # 3 trained steps: 4 chunks x 3 = 12 transitions
+SDE = SDEConfig(variant="sage", eta=0.7, steps=3, shift=3.0)  # 3 trained steps: 4 chunks x 3 = 12 transitions
 
 
 def gathered(module: torch.nn.Module) -> dict[str, torch.Tensor]:

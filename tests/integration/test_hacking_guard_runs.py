@@ -84,6 +84,6 @@ def test_a_run_whose_reward_and_judge_rise_together_is_never_stopped(tmp_path):
     run_id = only_run_id(uri)
     judge = [value for _, value in metric_history(uri, run_id, "eval/judge/brightness")]
     reward = [value for _, value in metric_history(uri, run_id, "eval/reward")]
-    assert len(judge) == 4 and judge[-1] > judge[0] and reward[-1] > reward[0]
+    assert len(judge) == 5 and judge[-1] > judge[0] and reward[-1] > reward[0]  # iteration 0, then every 2
     assert metric_history(uri, run_id, "guard/fired") == []
     assert "hacking guard" not in result.stderr

@@ -39,7 +39,7 @@ KINDS = {
         "lora.rank=4",
         "lora.alpha=4",
         "update.updates_per_rollout=2",
-        "update.transitions_per_micro_step=3",  # 2 chunks x 3 trained steps = 2 mini-batches of one micro-step
+        "update.transitions_per_micro_step=4",  # 2 chunks x 4 trained steps = 2 mini-batches of one micro-step
     ),
     "full": ("update.ema_decay=0.9",),
 }
