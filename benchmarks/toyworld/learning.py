@@ -28,7 +28,7 @@ import torch
 from sage_grpo.core.errors import UserError
 
 from . import stats
-from .sweep import BASE_CONFIG, Arm, experiment, read_back, run_one, slug, write_atomically
+from .sweep import BASE_CONFIG, REPOSITORY, Arm, experiment, read_back, run_one, slug, write_atomically
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "learning"
 DEFAULT_WORK = BASE_CONFIG.parents[1] / "runs" / "toyworld-learning"
@@ -133,6 +133,8 @@ def measure(arm: Arm, seed: int, out: Path, work: Path, iterations: int) -> dict
     record |= paired_training_reward(run_dir, overrides) | held_out_deltas(run_dir / "mlflow.db")
     record["evaluations"], record["history"] = read_back(run_dir / "mlflow.db")
     record.pop("experiment")
+    if "command" in record:  # no machine paths in what the repository keeps
+        record["command"] = record["command"].replace(f"{REPOSITORY}/", "")
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # large, and measured now
     write_atomically(path, json.dumps(record))
     return record
